@@ -1,0 +1,31 @@
+"""Backend plugins: a backend is a strategy (where steps run) times a precision (how).
+
+Example:
+    >>> from backends import build_backend, available_backends
+    >>> available_backends()[:4]
+    ['ddp', 'ddp-amp', 'sp', 'sp-amp']
+    >>> build_backend("sp")
+    TrainerBackend(strategy=SingleProcess, precision=FullPrecision)
+"""
+
+from backends.base import TrainerBackend
+from backends.batch import move_to_device
+from backends.precision import FullPrecision, MixedPrecision, Precision
+from backends.registry import available_backends, build_backend, register_backend
+from backends.samplers import ResumableSampler
+from backends.strategies import DDP, SingleProcess, Strategy
+
+__all__ = [
+    "TrainerBackend",
+    "Strategy",
+    "SingleProcess",
+    "DDP",
+    "Precision",
+    "FullPrecision",
+    "MixedPrecision",
+    "ResumableSampler",
+    "available_backends",
+    "build_backend",
+    "register_backend",
+    "move_to_device",
+]

@@ -1,0 +1,131 @@
+"""TrainerBackend: the one object the Trainer talks to, a strategy composed with a precision."""
+
+import logging
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Sized
+
+import torch
+
+from backends.batch import move_to_device
+from backends.precision import FullPrecision, Precision
+from backends.strategies import SingleProcess, Strategy
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerBackend:
+    """Decides where and how each step runs: ``strategy`` (devices, processes, gradient
+    sync) times ``precision`` (autocast, loss scaling).
+
+    The built-in backends are compositions: ``sp`` is ``TrainerBackend(SingleProcess(),
+    FullPrecision())`` and ``ddp-amp`` is ``TrainerBackend(DDP(), MixedPrecision())``. A
+    plugin subclasses this class (or a strategy or precision) and overrides what it needs;
+    see ``docs/backends.md``.
+
+    Args:
+        strategy: where steps run (default: :class:`SingleProcess`).
+        precision: how numbers are represented (default: :class:`FullPrecision`).
+
+    Example:
+        >>> from backends import TrainerBackend, SingleProcess, MixedPrecision
+        >>> backend = TrainerBackend(SingleProcess(), MixedPrecision("bfloat16"))
+        >>> backend.setup(use_gpu=False)
+        >>> backend.device
+        device(type='cpu')
+    """
+
+    def __init__(self, strategy: Optional[Strategy] = None, precision: Optional[Precision] = None) -> None:
+        self.strategy = strategy if strategy is not None else SingleProcess()
+        self.precision = precision if precision is not None else FullPrecision()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(strategy={type(self.strategy).__name__}, precision={type(self.precision).__name__})"
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    @property
+    def rank(self) -> int:
+        return self.strategy.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.strategy.is_main_process
+
+    # -- life cycle -----------------------------------------------------------------
+    def setup(
+        self,
+        use_gpu: Optional[bool] = None,
+        amp_dtype: Optional[str] = None,
+        find_unused_parameters: bool = False,
+        ddp_timeout: float = 600.0,
+    ) -> None:
+        """Pick the device, join the process group (DDP) and prepare the precision."""
+        self.strategy.setup(use_gpu=use_gpu, find_unused_parameters=find_unused_parameters, ddp_timeout=ddp_timeout)
+        self.precision.setup(self.device, amp_dtype)
+
+    def teardown(self) -> None:
+        """Leave the process group; safe to call more than once."""
+        self.strategy.teardown()
+
+    # -- data -----------------------------------------------------------------------
+    def sampler_factory(self, shuffle: bool, seed: int) -> Callable[[Sized], Any]:
+        """The ``sampler`` callable handed to the module's data-loader methods."""
+        return lambda dataset: self.strategy.create_sampler(dataset, shuffle=shuffle, seed=seed)
+
+    def move_to_device(self, batch: Any) -> Any:
+        """``batch`` with every tensor inside it on :attr:`device`."""
+        return move_to_device(batch, self.device)
+
+    # -- steps ----------------------------------------------------------------------
+    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module training forwards go through (DDP wraps it)."""
+        return self.strategy.wrap_module(module)
+
+    def forward(self, runner: torch.nn.Module, *args: Any) -> Any:
+        """Call ``runner(*args)`` inside the precision's autocast."""
+        with self.precision.forward_context():
+            return runner(*args)
+
+    def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
+        """Context for one micro-batch; skips the gradient all-reduce when asked."""
+        return self.strategy.no_sync(wrapped, skip_gradient_sync)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (scaled, under fp16)."""
+        self.precision.backward(loss)
+
+    def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Make gradients true-sized before clipping."""
+        self.precision.unscale_gradients(optimizers)
+
+    def step_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], closure: Any = None) -> bool:
+        """Step the optimizers; False when the precision skipped the update."""
+        return self.precision.step_optimizers(optimizers, closure)
+
+    # -- collectives ----------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        return self.strategy.all_reduce(tensor, op)
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        return self.strategy.all_gather_object(obj)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.strategy.broadcast_object(obj)
+
+    def barrier(self) -> None:
+        self.strategy.barrier()
+
+    # -- state ----------------------------------------------------------------------
+    def get_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the backend (the gradient scaler)."""
+        return {"precision": self.precision.get_state()}
+
+    def update_state(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`get_state` returned."""
+        self.precision.update_state(state.get("precision", {}))

@@ -1,0 +1,150 @@
+"""Numeric precision plugins: how the forward runs and how gradients become an update.
+
+Precision code never touches the process group; strategy code never touches the scaler.
+"""
+
+import contextlib
+from typing import Any, ContextManager, Dict, Optional, Sequence
+
+import torch
+
+_AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Precision:
+    """Full fp32 precision: every method is the plain PyTorch call.
+
+    Subclass it to change how the forward runs (:meth:`forward_context`), how the loss is
+    back-propagated (:meth:`backward`) or how optimizers step (:meth:`step_optimizers`).
+
+    Example:
+        >>> precision = FullPrecision()
+        >>> precision.setup(torch.device("cpu"), amp_dtype=None)
+        >>> with precision.forward_context():
+        ...     pass
+    """
+
+    name = "fp32"
+
+    def setup(self, device: torch.device, amp_dtype: Optional[str]) -> None:
+        """Called once the strategy knows the device."""
+
+    def forward_context(self) -> ContextManager:
+        """The context that train, val and test forwards run in."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (already divided by the accumulation length)."""
+        loss.backward()
+
+    def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Bring gradients to their true scale before they are clipped or inspected."""
+
+    def step_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], closure: Any = None) -> bool:
+        """Step every optimizer; return False when the update was skipped (so schedulers wait)."""
+        for optimizer in optimizers:
+            optimizer.step(closure) if closure is not None else optimizer.step()
+        return True
+
+    def get_state(self) -> Dict[str, Any]:
+        """Precision state that belongs in a checkpoint."""
+        return {}
+
+    def update_state(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`get_state` returned."""
+
+
+class FullPrecision(Precision):
+    """fp32 everywhere (the ``sp`` and ``ddp`` backends).
+
+    Example:
+        >>> FullPrecision().name
+        'fp32'
+    """
+
+
+class MixedPrecision(Precision):
+    """``torch.autocast`` around every forward, plus a ``GradScaler`` when the dtype is fp16.
+
+    On CUDA the default is fp16 with dynamic loss scaling; ``"bfloat16"`` runs without a
+    scaler. On CPU only bf16 autocast exists: asking for fp16 there is an error. Gradients
+    are unscaled before clipping, and a step the scaler skips (inf/nan gradients) is
+    reported to the trainer so learning-rate schedulers do not advance for it.
+
+    Args:
+        dtype: ``"float16"``, ``"bfloat16"`` or None (from ``TrainerArguments.amp_dtype``;
+            when that is None too: fp16 on CUDA, bf16 on CPU).
+
+    Example:
+        >>> precision = MixedPrecision("bfloat16")
+        >>> precision.setup(torch.device("cpu"), amp_dtype=None)
+        >>> with precision.forward_context():
+        ...     y = torch.nn.Linear(4, 4)(torch.ones(2, 4))
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    name = "amp"
+
+    def __init__(self, dtype: Optional[str] = None) -> None:
+        self.requested_dtype = dtype
+        self.device_type = "cpu"
+        self.dtype = torch.bfloat16
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        self._pending_scaler_state: Optional[Dict[str, Any]] = None
+
+    def setup(self, device: torch.device, amp_dtype: Optional[str]) -> None:
+        name = self.requested_dtype or amp_dtype or ("float16" if device.type == "cuda" else "bfloat16")
+        if name not in _AMP_DTYPES:
+            raise ValueError(f"amp_dtype={name!r} is not supported; allowed: {sorted(_AMP_DTYPES)}")
+        if device.type == "cpu" and name == "float16":
+            raise ValueError(
+                "amp_dtype='float16' needs a CUDA device; on CPU mixed precision is bf16 autocast: "
+                "use amp_dtype='bfloat16' (or leave it unset)"
+            )
+        self.device_type = device.type
+        self.dtype = _AMP_DTYPES[name]
+        use_scaler = self.dtype == torch.float16
+        self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler) if use_scaler else None
+        if self.scaler is not None and self._pending_scaler_state:
+            self.scaler.load_state_dict(self._pending_scaler_state)
+        self._pending_scaler_state = None
+
+    def forward_context(self) -> ContextManager:
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is None:
+            loss.backward()
+        else:
+            self.scaler.scale(loss).backward()
+
+    def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        if self.scaler is not None:
+            for optimizer in optimizers:
+                self.scaler.unscale_(optimizer)
+
+    def step_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], closure: Any = None) -> bool:
+        if self.scaler is None:
+            return super().step_optimizers(optimizers, closure)
+        if closure is not None:
+            raise ValueError("optimizers that need a closure (e.g. LBFGS) cannot run with an fp16 GradScaler")
+        # GradScaler.step already waits for its inf check; comparing the scale around
+        # update() tells whether it skipped, at the cost of one more tiny read.
+        scale_before = self.scaler.get_scale()
+        for optimizer in optimizers:
+            self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= scale_before
+
+    def get_state(self) -> Dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def update_state(self, state: Dict[str, Any]) -> None:
+        scaler_state = state.get("scaler")
+        if not scaler_state:
+            return
+        if self.scaler is None:
+            self._pending_scaler_state = scaler_state
+        else:
+            self.scaler.load_state_dict(scaler_state)

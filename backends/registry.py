@@ -1,0 +1,94 @@
+"""Backends by name: the built-ins, ``@register_backend`` plugins and entry points."""
+
+import logging
+from importlib import metadata
+from typing import Callable, Dict, List, Optional, TypeVar, Union
+
+from backends.base import TrainerBackend
+from backends.precision import FullPrecision, MixedPrecision
+from backends.strategies import DDP, SingleProcess
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "framework.backends"
+
+BackendFactory = Callable[[], TrainerBackend]
+F = TypeVar("F", bound=BackendFactory)
+
+_registry: Dict[str, BackendFactory] = {}
+_entry_points_loaded = False
+
+
+def register_backend(name: str, factory: Optional[F] = None, *, override: bool = False) -> Union[F, Callable[[F], F]]:
+    """Register a backend factory (a ``TrainerBackend`` subclass or a function returning one).
+
+    Use it as a decorator, ``@register_backend("name")``, or call it directly,
+    ``register_backend("name", factory)``. A taken name is an error unless ``override=True``.
+
+    Example:
+        >>> @register_backend("sp-verbose", override=True)
+        ... class VerboseBackend(TrainerBackend):
+        ...     pass
+        >>> "sp-verbose" in available_backends()
+        True
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"backend name must be a non-empty string, got {name!r}")
+
+    def decorator(backend_factory: F) -> F:
+        if not callable(backend_factory):
+            raise TypeError(f"backend {name!r} must be a TrainerBackend subclass or a callable, got {backend_factory!r}")
+        if name in _registry and not override and _registry[name] is not backend_factory:
+            raise ValueError(f"backend name {name!r} is already registered; pass override=True to replace it")
+        _registry[name] = backend_factory
+        return backend_factory
+
+    return decorator(factory) if factory is not None else decorator
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry_point.name in _registry:
+            continue
+        try:
+            register_backend(entry_point.name, entry_point.load())
+        except Exception as error:  # a broken plugin must not hide the others
+            logger.warning("backend plugin %r (%s) failed to load: %s", entry_point.name, entry_point.value, error)
+
+
+def reload_entry_points() -> None:
+    """Look for entry-point plugins again (after installing a package at run time)."""
+    global _entry_points_loaded
+    _entry_points_loaded = False
+    _load_entry_points()
+
+
+def available_backends() -> List[str]:
+    """Names of every registered backend, built-ins and plugins, sorted."""
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def build_backend(name: str) -> TrainerBackend:
+    """A new backend instance for ``name``.
+
+    Raises:
+        ValueError: ``name`` is not registered; the message lists the known names.
+    """
+    _load_entry_points()
+    if name not in _registry:
+        raise ValueError(f"unknown backend {name!r}; available backends: {', '.join(available_backends())}")
+    backend = _registry[name]()
+    if not isinstance(backend, TrainerBackend):
+        raise TypeError(f"backend factory for {name!r} returned {type(backend).__name__}, not a TrainerBackend")
+    return backend
+
+
+register_backend("sp", lambda: TrainerBackend(SingleProcess(), FullPrecision()))
+register_backend("sp-amp", lambda: TrainerBackend(SingleProcess(), MixedPrecision()))
+register_backend("ddp", lambda: TrainerBackend(DDP(), FullPrecision()))
+register_backend("ddp-amp", lambda: TrainerBackend(DDP(), MixedPrecision()))

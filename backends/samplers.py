@@ -1,0 +1,86 @@
+"""The one sampler every built-in strategy hands out: seeded, sharded, resumable."""
+
+from typing import Any, Dict, Iterator, Sized
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableSampler(Sampler[int]):
+    """Yields this rank's share of a dataset's indices, in an order fixed by seed and epoch.
+
+    Training shuffles with a generator seeded from ``seed + epoch``: every epoch has a new
+    order, every run (and every rank) the same one. Under several ranks the index list is
+    padded by repeating its head so each rank gets the same count (no rank waits for
+    another at the end of an epoch), then dealt out round-robin: rank ``r`` gets positions
+    ``r, r + world_size, ...``. Evaluation keeps dataset order and does not pad, so every
+    sample is seen exactly once across ranks.
+
+    ``fast_forward(n)`` skips the next ``n`` indices of the current epoch without touching
+    the dataset; it is how a run resumed mid-epoch continues where it stopped.
+
+    Example:
+        >>> sampler = ResumableSampler(range(10), shuffle=True, seed=0)
+        >>> sampler.set_epoch(1)
+        >>> sampler.fast_forward(4)
+        >>> len(sampler)
+        6
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        shuffle: bool,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        pad: bool = True,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} and world_size={world_size}: need 0 <= rank < world_size")
+        self.dataset_size = len(dataset)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.pad = pad
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch`` and forget any fast-forward."""
+        self.epoch = epoch
+        self.skip = 0
+
+    def fast_forward(self, num_indices: int) -> None:
+        """Skip the first ``num_indices`` indices this rank would yield in the current epoch."""
+        self.skip = num_indices
+
+    def _shard_size(self) -> int:
+        if self.pad:
+            return -(-self.dataset_size // self.world_size)
+        return len(range(self.rank, self.dataset_size, self.world_size))
+
+    def __len__(self) -> int:
+        return max(self._shard_size() - self.skip, 0)
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(self.dataset_size, generator=generator).tolist()
+        else:
+            indices = list(range(self.dataset_size))
+        if self.pad and self.dataset_size % self.world_size:
+            missing = self.world_size - self.dataset_size % self.world_size
+            indices += (indices * (missing // max(len(indices), 1) + 1))[:missing]
+        shard = indices[self.rank :: self.world_size]
+        return iter(shard[self.skip :])
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The epoch and skip count (the order itself is derived from the seed)."""
+        return {"epoch": self.epoch, "skip": self.skip}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.epoch = int(state["epoch"])
+        self.skip = int(state["skip"])

@@ -1,0 +1,216 @@
+"""Where steps run: one process, or one process per device under ``torch.distributed`` DDP.
+
+Strategy code owns the device, the process group, the sampler, the module wrapper,
+``no_sync`` and the collectives. It never touches the gradient scaler.
+"""
+
+import atexit
+import contextlib
+import datetime
+import logging
+import os
+from typing import Any, Callable, ContextManager, List, Optional, Sized
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from backends.samplers import ResumableSampler
+
+logger = logging.getLogger(__name__)
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def select_device(use_gpu: Optional[bool], local_rank: int = 0) -> torch.device:
+    """CUDA device ``local_rank`` when wanted and present, else CPU.
+
+    ``use_gpu=None`` means "a GPU if there is one"; ``True`` makes a missing GPU an error.
+    """
+    if use_gpu and not torch.cuda.is_available():
+        raise ValueError("use_gpu=True but torch.cuda.is_available() is False; set use_gpu to None or False")
+    if use_gpu is False or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+class Strategy:
+    """One process on one device: the ``sp`` strategy, and the base of every other.
+
+    Example:
+        >>> strategy = SingleProcess()
+        >>> strategy.setup(use_gpu=False)
+        >>> strategy.device, strategy.world_size, strategy.is_main_process
+        (device(type='cpu'), 1, True)
+    """
+
+    name = "single-process"
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.rank = 0
+        self.local_rank = 0
+        self.world_size = 1
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on the rank that prints, logs and writes files."""
+        return self.rank == 0
+
+    def setup(self, use_gpu: Optional[bool] = None, **options: Any) -> None:
+        """Pick the device (and, in subclasses, join the process group)."""
+        self.device = select_device(use_gpu, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def teardown(self) -> None:
+        """Release what :meth:`setup` acquired; safe to call twice."""
+
+    def create_sampler(self, dataset: Sized, shuffle: bool, seed: int) -> ResumableSampler:
+        """The sampler for ``dataset``: shuffled for training, ordered for evaluation."""
+        return ResumableSampler(dataset, shuffle=shuffle, seed=seed, rank=self.rank, world_size=self.world_size, pad=shuffle)
+
+    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module that training forwards go through."""
+        return module
+
+    def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
+        """Context for one micro-batch: inside it, gradients accumulate without communication."""
+        return contextlib.nullcontext()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over ranks (``mean``, ``sum``, ``max`` or ``min``); a new tensor."""
+        return tensor.clone()
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        return [obj]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank zero's ``obj`` on every rank."""
+        return obj
+
+    def barrier(self) -> None:
+        """Wait until every rank arrives."""
+
+
+class SingleProcess(Strategy):
+    """One process: CUDA if available (``use_gpu``), else CPU.
+
+    Example:
+        >>> SingleProcess().world_size
+        1
+    """
+
+
+class DDP(Strategy):
+    """``torch.distributed`` data parallel, one process per device, launched by ``torchrun``.
+
+    Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (and ``MASTER_ADDR``/``MASTER_PORT``) from
+    the environment. With none set it runs as one process, so the same script works under
+    ``python`` and ``torchrun``. The process group uses NCCL on CUDA and gloo on CPU, is
+    created once by :meth:`setup` and destroyed by :meth:`teardown`.
+
+    Args:
+        find_unused_parameters: passed to ``DistributedDataParallel`` (None: from the
+            trainer arguments).
+        timeout_seconds: how long a collective may wait for a missing rank before the
+            job fails instead of hanging (None: from the trainer arguments).
+
+    Example:
+        >>> strategy = DDP()   # under torchrun: rank and world size come from the environment
+        >>> strategy.setup(use_gpu=False)
+        >>> strategy.world_size >= 1
+        True
+    """
+
+    name = "ddp"
+
+    def __init__(self, find_unused_parameters: Optional[bool] = None, timeout_seconds: Optional[float] = None) -> None:
+        super().__init__()
+        self.find_unused_parameters = find_unused_parameters
+        self.timeout_seconds = timeout_seconds
+        self.rank = int(os.environ.get("RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self._owns_process_group = False
+
+    @property
+    def distributed(self) -> bool:
+        """True when there is more than one rank."""
+        return self.world_size > 1
+
+    def setup(
+        self,
+        use_gpu: Optional[bool] = None,
+        find_unused_parameters: bool = False,
+        ddp_timeout: float = 600.0,
+        **options: Any,
+    ) -> None:
+        super().setup(use_gpu)
+        if self.find_unused_parameters is None:
+            self.find_unused_parameters = find_unused_parameters
+        if self.timeout_seconds is None:
+            self.timeout_seconds = ddp_timeout
+        if not self.distributed or dist.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.timeout_seconds),
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        self._owns_process_group = True
+        atexit.register(self.teardown)
+        logger.debug("rank %d/%d joined the %s process group on %s", self.rank, self.world_size, backend, self.device)
+
+    def teardown(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if not self.distributed:
+            return module
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters)
+
+    def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
+        if skip_gradient_sync and isinstance(wrapped, DistributedDataParallel):
+            return wrapped.no_sync()
+        return contextlib.nullcontext()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        result = tensor.clone()
+        if not self.distributed:
+            return result
+        if op == "mean":
+            dist.all_reduce(result, op=dist.ReduceOp.SUM)
+            return result / self.world_size
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"reduce op {op!r} is not supported; allowed: {['mean', *_REDUCE_OPS]}")
+        dist.all_reduce(result, op=_REDUCE_OPS[op])
+        return result
+
+    def all_gather_object(self, obj: Any) -> List[Any]:
+        if not self.distributed:
+            return [obj]
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            if self.device.type == "cuda":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()

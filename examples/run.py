@@ -1,0 +1,28 @@
+"""Train the digits classifier: ``python examples/run.py [--config FILE] [--section.field VALUE]``.
+
+Under torchrun: ``torchrun --nproc_per_node=2 examples/run.py --backend ddp``.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from digits import DigitsArguments, DigitsClassifier  # noqa: E402
+
+from framework import Trainer  # noqa: E402
+from framework.config import parse_config  # noqa: E402
+
+
+def main(argv=None) -> float:
+    config = parse_config({"model": DigitsArguments}, argv=argv, program="examples/run.py")
+    trainer = Trainer(module=DigitsClassifier(config.model), args=config.trainer)
+    history = trainer.train()
+    if trainer.is_main_process:
+        config.save(os.path.join(config.trainer.output_dir, "config.yaml"))
+        print(f"final val_accuracy={history.latest('val_accuracy'):.4f}")
+    return history.latest("val_accuracy")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""TrainerArguments: every knob of a training run, checked when it is built."""
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from framework.checkpoint.arguments import DefaultCheckpointerArguments
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass
+class TrainerArguments:
+    """Arguments of a :class:`~framework.Trainer` run.
+
+    Batch sizes: ``train_batch_size`` is the global batch per optimizer step. Each of the
+    ``world_size`` processes gets ``train_batch_size / world_size`` samples per step, split
+    into micro-batches of at most ``gpu_batch_size_limit``; gradient accumulation covers
+    the rest.
+
+    Example:
+        >>> args = TrainerArguments(epochs=3, train_batch_size=64, gpu_batch_size_limit=16)
+        >>> args.backend
+        'sp'
+    """
+
+    epochs: int = 1
+    """Maximum number of epochs."""
+    min_epochs: int = 0
+    """Epochs to run before a stop request (early stopping) is honoured."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps in total."""
+    max_time: Optional[float] = None
+    """Stop after this many seconds of wall-clock training (checked every optimizer step)."""
+    train_batch_size: int = 32
+    """Global batch size per optimizer step, summed over processes and micro-batches."""
+    gpu_batch_size_limit: Optional[int] = None
+    """Largest micro-batch per process; must divide the per-process batch."""
+    val_batch_size: Optional[int] = None
+    """Evaluation batch per process (None: the training micro-batch)."""
+    max_train_steps_per_epoch: Optional[Union[int, float]] = None
+    """Optimizer steps per epoch: an int, or a float in (0, 1] as a fraction of the loader."""
+    max_val_steps_per_epoch: Optional[Union[int, float]] = None
+    """Evaluation batches per loader: an int, or a float in (0, 1] as a fraction."""
+    val_every_n_epochs: int = 1
+    """Validate after every N epochs (0: never at epoch ends)."""
+    val_every_n_steps: Optional[int] = None
+    """Also validate every N optimizer steps, mid-epoch."""
+    sanity_val_steps: int = 0
+    """Run this many batches of each validation loader before training starts."""
+    fast_dev_run: bool = False
+    """One train and one validation batch through every hook; no checkpoints or files."""
+    clip_grads: bool = False
+    """Clip the total gradient norm to ``max_grad_norm``."""
+    max_grad_norm: float = 1.0
+    """Norm used when ``clip_grads`` is on."""
+    clip_grad_value: Optional[float] = None
+    """Clip every gradient element to [-value, value]."""
+    track_grad_norm: bool = False
+    """Record the total gradient norm (before clipping) as the ``grad_norm`` metric."""
+    scheduler_interval: str = "step"
+    """Step schedulers per optimizer ``step`` or per ``epoch``."""
+    scheduler_monitor: str = "val_loss"
+    """Metric fed to ``ReduceLROnPlateau`` schedulers."""
+    tbptt_steps: Optional[int] = None
+    """Truncated backprop through time: split batches along dim 1 into chunks of this length."""
+    collect_train_outputs: bool = False
+    """Keep every train step's outputs for ``on_end_train_epoch`` (off: nothing is kept)."""
+    backend: str = "sp"
+    """Backend name: sp, sp-amp, ddp, ddp-amp, or a registered plugin."""
+    amp_dtype: Optional[str] = None
+    """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU."""
+    find_unused_parameters: bool = False
+    """Passed to DistributedDataParallel."""
+    ddp_timeout: float = 600.0
+    """Seconds a collective waits for a missing rank before the job fails."""
+    use_gpu: Optional[bool] = None
+    """None: a GPU when present; True: require one; False: CPU."""
+    seed: int = 42
+    """Seeds python, numpy and torch, and the shuffling order."""
+    log_every_n_steps: int = 50
+    """Read losses back from the device and write them every N optimizer steps."""
+    disable_tqdm: bool = False
+    """Hide progress bars."""
+    log_level: str = "INFO"
+    """Level of the framework's log messages on rank zero."""
+    output_dir: str = "outputs"
+    """Where metrics.csv, config.yaml and (by default) checkpoints go."""
+    checkpointer_args: DefaultCheckpointerArguments = field(default_factory=DefaultCheckpointerArguments)
+    """Arguments of the default checkpointer."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.checkpointer_args, dict):
+            self.checkpointer_args = DefaultCheckpointerArguments(**self.checkpointer_args)
+        _require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")
+        _require(self.min_epochs >= 0, "min_epochs", self.min_epochs, "an integer >= 0")
+        _require(self.train_batch_size >= 1, "train_batch_size", self.train_batch_size, "an integer >= 1")
+        for name in ("max_steps", "gpu_batch_size_limit", "val_batch_size", "val_every_n_steps", "tbptt_steps"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, value, "None or an integer >= 1")
+        for name in ("max_train_steps_per_epoch", "max_val_steps_per_epoch"):
+            value = getattr(self, name)
+            allowed = value is None or (isinstance(value, int) and value >= 1) or (
+                isinstance(value, float) and 0.0 < value <= 1.0
+            )
+            _require(allowed, name, value, "None, an integer >= 1, or a fraction in (0, 1]")
+        _require(self.max_time is None or self.max_time > 0, "max_time", self.max_time, "None or seconds > 0")
+        _require(self.val_every_n_epochs >= 0, "val_every_n_epochs", self.val_every_n_epochs, "an integer >= 0")
+        _require(self.sanity_val_steps >= 0, "sanity_val_steps", self.sanity_val_steps, "an integer >= 0")
+        _require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "a number > 0")
+        _require(self.clip_grad_value is None or self.clip_grad_value > 0, "clip_grad_value", self.clip_grad_value, "None or > 0")
+        _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
+        _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")
+        _require(self.log_every_n_steps >= 1, "log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
+        _require(self.ddp_timeout > 0, "ddp_timeout", self.ddp_timeout, "seconds > 0")
+        _require(str(self.log_level).upper() in _LOG_LEVELS, "log_level", self.log_level, f"one of {_LOG_LEVELS}")
+        _require(isinstance(self.backend, str) and bool(self.backend), "backend", self.backend, "a backend name")
+
+
+def _require(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"TrainerArguments.{name}={value!r} is invalid; allowed: {allowed}")
+
+
+def micro_batch_plan(train_batch_size: int, world_size: int, gpu_batch_size_limit: Optional[int]) -> "tuple[int, int]":
+    """Split the global batch into ``(micro_batch_size, gradient_accumulation)`` per process.
+
+    Raises:
+        ValueError: the batch does not split evenly over processes or micro-batches.
+
+    Example:
+        >>> micro_batch_plan(32, world_size=2, gpu_batch_size_limit=8)
+        (8, 2)
+    """
+    if train_batch_size % world_size:
+        raise ValueError(
+            f"train_batch_size={train_batch_size} is not divisible by the world size {world_size}; "
+            f"use a multiple of {world_size}"
+        )
+    per_process = train_batch_size // world_size
+    if gpu_batch_size_limit is None or gpu_batch_size_limit >= per_process:
+        return per_process, 1
+    if per_process % gpu_batch_size_limit:
+        divisors = [d for d in range(gpu_batch_size_limit, 0, -1) if per_process % d == 0][:3]
+        raise ValueError(
+            f"train_batch_size={train_batch_size} gives {per_process} samples per process (world size "
+            f"{world_size}), which gpu_batch_size_limit={gpu_batch_size_limit} does not divide into equal "
+            f"micro-batches; use a limit that divides {per_process}, e.g. {', '.join(map(str, divisors))}"
+        )
+    return gpu_batch_size_limit, per_process // gpu_batch_size_limit

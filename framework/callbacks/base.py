@@ -1,0 +1,53 @@
+"""Callback: the hooks of the training loop, as objects."""
+
+from typing import TYPE_CHECKING, Any, Dict
+
+import torch
+
+if TYPE_CHECKING:
+    from framework.trainer import Trainer
+
+
+class StopTraining(Exception):
+    """Raise from any hook to end training cleanly after the current step."""
+
+
+class Callback:
+    """Hooks with the same names and arguments as :class:`~framework.ModuleInterface`'s.
+
+    The trainer calls the module's hook, then each callback's, in list order. Before
+    training it calls :meth:`setup`, so hooks can reach ``self.trainer`` (its ``history``,
+    ``module``, ``should_stop``...). A callback with state returns it from
+    :meth:`get_state`; it is saved in checkpoints and restored on resume.
+
+    Example:
+        >>> class PrintEpochs(Callback):
+        ...     def on_begin_train_epoch(self, global_step, epoch):
+        ...         print("epoch", epoch, "from step", global_step)
+    """
+
+    trainer: "Trainer"
+
+    def setup(self, trainer: "Trainer") -> None:
+        """Called once before training, validation or testing starts."""
+        self.trainer = trainer
+
+    def get_state(self) -> Dict[str, Any]:
+        """State to keep in checkpoints."""
+        return {}
+
+    def update_state(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`get_state` returned."""
+
+    def on_begin_train(self, global_step: int) -> None: ...
+    def on_begin_train_epoch(self, global_step: int, epoch: int) -> None: ...
+    def on_end_backward(self, global_step: int, loss: torch.Tensor) -> None: ...
+    def on_end_train_step(self, global_step: int, *outputs: Any) -> None: ...
+    def on_end_optimizer_step(self, global_step: int) -> None: ...
+    def on_log_metrics(self, global_step: int, metrics: Dict[str, float]) -> None: ...
+    def on_end_train_epoch(self, global_step: int, *outputs: Any) -> None: ...
+    def on_begin_val_epoch(self, global_step: int, key: str) -> None: ...
+    def on_end_val_epoch(self, global_step: int, *outputs: Any, key: str) -> None: ...
+    def on_begin_test_epoch(self, global_step: int, key: str) -> None: ...
+    def on_end_test_epoch(self, global_step: int, *outputs: Any, key: str) -> None: ...
+    def on_end_train(self, global_step: int) -> None: ...

@@ -1,0 +1,8 @@
+"""Checkpoints: the bundle, the checkpointer interface and the default fsspec checkpointer."""
+
+from framework.checkpoint.abstract import AbstractCheckpointer
+from framework.checkpoint.arguments import DefaultCheckpointerArguments
+from framework.checkpoint.checkpoint import Checkpoint
+from framework.checkpoint.default import DefaultCheckpointer
+
+__all__ = ["AbstractCheckpointer", "Checkpoint", "DefaultCheckpointer", "DefaultCheckpointerArguments"]

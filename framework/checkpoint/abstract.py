@@ -1,0 +1,52 @@
+"""AbstractCheckpointer: the interface the trainer saves and loads through."""
+
+import abc
+from typing import Any, Dict, Optional
+
+from framework.checkpoint.checkpoint import Checkpoint
+
+
+class AbstractCheckpointer(abc.ABC):
+    """Decides when checkpoints are written, where they go and which one a run resumes from.
+
+    The trainer calls :meth:`save` at every epoch end (``index`` = epochs finished) and, with
+    ``force=True``, on demand, at step triggers and at the end; :meth:`load` once before
+    training. Only rank zero calls :meth:`save`; every rank calls :meth:`load`.
+
+    Example:
+        >>> class InMemory(AbstractCheckpointer):
+        ...     def __init__(self):
+        ...         self.saved = {}
+        ...     def save(self, checkpoint, index, force=False):
+        ...         self.saved[index] = checkpoint
+        ...     def save_model(self, state, index):
+        ...         pass
+        ...     def load(self):
+        ...         return self.saved[max(self.saved)] if self.saved else None
+    """
+
+    @abc.abstractmethod
+    def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
+        """Save ``checkpoint`` if ``index`` is due (or ``force``); return where it went, or None."""
+
+    @abc.abstractmethod
+    def save_model(self, state: Dict[str, Any], index: int) -> Optional[str]:
+        """Write a model-only export (e.g. for inference); return where it went."""
+
+    @abc.abstractmethod
+    def load(self) -> Optional[Checkpoint]:
+        """The checkpoint to resume from, or None to start fresh."""
+
+    def is_step_save_due(self, global_step: int) -> bool:
+        """True when a mid-epoch save is due after optimizer step ``global_step``."""
+        return False
+
+    def wait(self) -> None:
+        """Block until background writes finish; re-raise their errors."""
+
+    def get_state(self) -> Dict[str, Any]:
+        """Checkpointer state kept inside checkpoints (e.g. scores for best-k retention)."""
+        return {}
+
+    def update_state(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`get_state` returned."""

@@ -1,0 +1,159 @@
+"""ModuleInterface: what a user implements, and the dispatcher that DDP wraps."""
+
+import abc
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.utils.data import DataLoader
+
+from framework.stage import Stage
+
+Loaders = Union[None, DataLoader, Dict[str, DataLoader]]
+
+
+class ModuleInterface(torch.nn.Module, abc.ABC):
+    """The model plus everything the trainer needs to train it.
+
+    Implement the three abstract methods; add ``get_val_dataloaders`` and ``val_step`` for
+    validation and ``get_test_dataloaders``/``test_step`` for testing. Batches reach the
+    step methods already on ``device``. Hooks (``on_*``) are optional and receive the same
+    arguments as the matching :class:`~framework.callbacks.Callback` hooks.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> class Regression(ModuleInterface):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = torch.nn.Linear(3, 1)
+        ...         self.data = TensorDataset(torch.randn(64, 3), torch.randn(64, 1))
+        ...     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+        ...         return [torch.optim.SGD(self.parameters(), lr=0.1)], []
+        ...     def get_train_dataloader(self, sampler, batch_size):
+        ...         return DataLoader(self.data, batch_size=batch_size, sampler=sampler(self.data))
+        ...     def train_step(self, global_step, batch, device):
+        ...         x, y = batch
+        ...         return F.mse_loss(self.net(x), y)
+    """
+
+    # -- required ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def get_optimizers_schedulers(
+        self, estimated_global_steps_per_epoch: int, epochs: int
+    ) -> Tuple[Sequence[torch.optim.Optimizer], Sequence[Any]]:
+        """Return ``(optimizers, schedulers)``; schedulers step once per optimizer step by default."""
+
+    @abc.abstractmethod
+    def get_train_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
+        """Return the training loader; build its sampler with ``sampler(dataset)``."""
+
+    @abc.abstractmethod
+    def train_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        """Return the loss, a tuple/list whose first item is the loss, or a dict with ``"loss"``."""
+
+    # -- optional ---------------------------------------------------------------------
+    def get_val_dataloaders(self, sampler: Any, batch_size: int) -> Loaders:
+        """One loader, a dict ``{name: loader}``, or None for no validation."""
+        return None
+
+    def get_test_dataloaders(self, sampler: Any, batch_size: int) -> Loaders:
+        """Like :meth:`get_val_dataloaders`, for :meth:`Trainer.test`."""
+        return None
+
+    def val_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        """Return the loss (per sample or per batch) first, then any per-sample outputs."""
+        raise NotImplementedError(f"{type(self).__name__} returns validation loaders but does not implement val_step")
+
+    def test_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        """Defaults to :meth:`val_step`."""
+        return self.val_step(global_step, batch, device)
+
+    def get_state(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the module: by default its ``state_dict``."""
+        return {"model": self.state_dict()}
+
+    def update_state(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`get_state` returned."""
+        self.load_state_dict(state["model"])
+
+    def log(
+        self,
+        name: str,
+        value: Union[torch.Tensor, float],
+        on_step: bool = False,
+        on_epoch: bool = True,
+        reduce: str = "mean",
+    ) -> None:
+        """Record a metric from inside a step; it stays on the device until it is written.
+
+        ``on_step`` values are written at the next ``log_every_n_steps`` point; ``on_epoch``
+        values are reduced (``mean``, ``sum``, ``max`` or ``min``) over the epoch and over
+        ranks when the train or evaluation epoch ends. Outside a trainer this does nothing.
+        """
+        metric_logger = self.__dict__.get("_metric_logger")
+        if metric_logger is not None:
+            metric_logger.log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce)
+
+    # -- hooks (no-ops; same names and arguments as Callback) ---------------------------
+    def on_begin_train(self, global_step: int) -> None: ...
+    def on_begin_train_epoch(self, global_step: int, epoch: int) -> None: ...
+    def on_end_backward(self, global_step: int, loss: torch.Tensor) -> None: ...
+    def on_end_train_step(self, global_step: int, *outputs: Any) -> None: ...
+    def on_end_optimizer_step(self, global_step: int) -> None: ...
+    def on_log_metrics(self, global_step: int, metrics: Dict[str, float]) -> None: ...
+    def on_end_train_epoch(self, global_step: int, *outputs: Any) -> None: ...
+    def on_begin_val_epoch(self, global_step: int, key: str) -> None: ...
+    def on_end_val_epoch(self, global_step: int, *outputs: Any, key: str) -> None: ...
+    def on_begin_test_epoch(self, global_step: int, key: str) -> None: ...
+    def on_end_test_epoch(self, global_step: int, *outputs: Any, key: str) -> None: ...
+    def on_end_train(self, global_step: int) -> None: ...
+
+
+class StepRunner(torch.nn.Module):
+    """Routes ``forward(stage, ...)`` to the module's step method.
+
+    Strategies wrap this object (DDP included), so every training step goes through a
+    wrapper's ``forward`` and its gradient hooks fire; the user's own ``forward`` stays free.
+    """
+
+    _STEP_METHODS = {Stage.TRAIN: "train_step", Stage.VAL: "val_step", Stage.TEST: "test_step"}
+
+    def __init__(self, module: ModuleInterface) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, stage: Stage, global_step: int, batch: Any, device: torch.device, *extra: Any) -> Any:
+        return getattr(self.module, self._STEP_METHODS[stage])(global_step, batch, device, *extra)
+
+
+def as_outputs(value: Any, method: str) -> Tuple[Any, ...]:
+    """Normalise what a step returned to a tuple whose first item is the loss.
+
+    A tensor becomes ``(loss,)``, a tuple or list stays as it is, and a dict with ``"loss"``
+    becomes ``(loss, other_items)``.
+
+    Raises:
+        TypeError: anything else, naming ``method`` and the type it returned.
+    """
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return tuple(value)
+    if isinstance(value, dict) and isinstance(value.get("loss"), torch.Tensor):
+        return (value["loss"], {key: item for key, item in value.items() if key != "loss"})
+    raise TypeError(
+        f"{method} must return a loss tensor, a tuple/list whose first item is the loss tensor, "
+        f"or a dict with a 'loss' tensor; got {type(value).__name__}"
+        + (f" with first item {type(value[0]).__name__}" if isinstance(value, (tuple, list)) and value else "")
+    )
+
+
+def as_loader_dict(loaders: Loaders, method: str) -> Dict[str, DataLoader]:
+    """``None`` -> ``{}``, one loader -> ``{"val": loader}``-style dict, a dict unchanged."""
+    if loaders is None:
+        return {}
+    if isinstance(loaders, dict):
+        return dict(loaders)
+    if isinstance(loaders, (list, tuple)):
+        raise TypeError(f"{method} must return a DataLoader, a dict of DataLoaders or None; got {type(loaders).__name__}")
+    return {"": loaders}

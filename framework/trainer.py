@@ -1,0 +1,611 @@
+"""Trainer: the training loop, in one place."""
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import DataLoader
+
+from backends import TrainerBackend, build_backend
+from framework.arguments import TrainerArguments, micro_batch_plan
+from framework.callbacks.base import Callback, StopTraining
+from framework.callbacks.progress import ProgressBar
+from framework.checkpoint import AbstractCheckpointer, Checkpoint, DefaultCheckpointer
+from framework.logging_setup import configure_logging
+from framework.metrics import MetricCollector, MetricHistory
+from framework.module import ModuleInterface, StepRunner, as_loader_dict, as_outputs
+from framework.rng import capture_rng_state, restore_rng_state, seed_everything
+from framework.stage import Stage
+from framework.writers import CSVWriter, MetricWriter
+
+logger = logging.getLogger("framework")
+
+_PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
+
+
+class Trainer:
+    """Runs epochs of a :class:`ModuleInterface` on a :class:`TrainerBackend`.
+
+    The loop in :meth:`train` reads like a hand-written PyTorch loop: for each micro-batch,
+    forward and backward (under ``no_sync`` until the last micro-batch of an accumulation
+    cycle); then unscale, clip, step the optimizers and schedulers, zero the gradients.
+    Losses stay on the device and are read back only every ``log_every_n_steps``.
+
+    Args:
+        module: the user's module.
+        args: run arguments (default: ``TrainerArguments()``).
+        trainer_backend: a backend instance; None builds ``args.backend`` by name.
+        checkpointer: None uses a :class:`DefaultCheckpointer` from ``args.checkpointer_args``.
+        callbacks: called after the module's own hooks, in this order. A progress bar is
+            added unless ``args.disable_tqdm`` or one is given.
+
+    Example:
+        >>> trainer = Trainer(module=MyModule(), args=TrainerArguments(epochs=3))  # doctest: +SKIP
+        >>> trainer.train()                                                        # doctest: +SKIP
+        >>> trainer.history.latest("val_loss")                                     # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        module: ModuleInterface,
+        args: Optional[TrainerArguments] = None,
+        trainer_backend: Optional[TrainerBackend] = None,
+        checkpointer: Optional[AbstractCheckpointer] = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
+        if not isinstance(module, ModuleInterface):
+            raise TypeError(f"module must be a ModuleInterface, got {type(module).__name__}")
+        args = args if args is not None else TrainerArguments()
+        if not isinstance(args, TrainerArguments):
+            raise TypeError(f"args must be TrainerArguments, got {type(args).__name__}")
+        if args.fast_dev_run:
+            args = dataclasses.replace(args, epochs=1, min_epochs=0, max_train_steps_per_epoch=1, max_val_steps_per_epoch=1)
+        if trainer_backend is not None and not isinstance(trainer_backend, TrainerBackend):
+            raise TypeError(f"trainer_backend must be a TrainerBackend, got {type(trainer_backend).__name__}")
+        self.args = args
+        self.module = module
+        self.backend = trainer_backend if trainer_backend is not None else build_backend(args.backend)
+        self.backend.setup(
+            use_gpu=args.use_gpu,
+            amp_dtype=args.amp_dtype,
+            find_unused_parameters=args.find_unused_parameters,
+            ddp_timeout=args.ddp_timeout,
+        )
+        try:
+            configure_logging(args.log_level, self.backend.is_main_process)
+            self.train_step_batch_size, self.gradient_accumulation = micro_batch_plan(
+                args.train_batch_size, self.backend.world_size, args.gpu_batch_size_limit
+            )
+        except Exception:
+            self.backend.teardown()
+            raise
+        self.checkpointer = checkpointer if checkpointer is not None else DefaultCheckpointer(
+            args.checkpointer_args, default_dir=os.path.join(args.output_dir, "checkpoints")
+        )
+        self.callbacks: List[Callback] = list(callbacks)
+        if not args.disable_tqdm and not any(isinstance(c, ProgressBar) for c in self.callbacks):
+            self.callbacks.insert(0, ProgressBar())
+        self.history = MetricHistory()
+        self.writers: List[MetricWriter] = []
+        self.global_steps_finished = 0
+        self.epochs_finished = 0
+        self.batches_finished_in_epoch = 0
+        self.should_stop = False
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self.schedulers: List[Any] = []
+        self._train_loader: Optional[DataLoader] = None
+        self._loader_length: Optional[int] = None
+        self._runner = StepRunner(module)
+        self._wrapped: Optional[torch.nn.Module] = None
+        self._metrics = MetricCollector()
+        module.__dict__["_metric_logger"] = self._metrics
+        self._running_loss: Optional[torch.Tensor] = None
+        self._running_count = 0
+        self._logged_loss: Optional[torch.Tensor] = None
+        self._logged_count = 0
+        self._pending_rng: Optional[Dict[str, Any]] = None
+        self._restored = False
+        self._time_is_up = False
+        self._start_time = 0.0
+        seed_everything(args.seed)
+        module.to(self.device)
+
+    # -- properties ---------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the module and batches live."""
+        return self.backend.device
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on rank zero: the rank that prints and writes files."""
+        return self.backend.is_main_process
+
+    @property
+    def estimated_global_steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps per epoch: exact when the train loader has a length, else None
+        (or ``max_train_steps_per_epoch`` when that is an int). A last, partial accumulation
+        cycle counts as a step."""
+        self._create_train_loader()
+        limit = self.args.max_train_steps_per_epoch
+        if self._loader_length is None:
+            return limit if isinstance(limit, int) else None
+        steps = math.ceil(self._loader_length / self.gradient_accumulation)
+        if isinstance(limit, float):
+            return max(1, math.floor(limit * steps))
+        return min(steps, limit) if limit is not None else steps
+
+    # -- training -----------------------------------------------------------------------
+    def train(self) -> MetricHistory:
+        """Train for ``args.epochs`` (or until ``max_steps``, ``max_time`` or a stop request)."""
+        try:
+            self._setup_training()
+            self._call_hook("on_begin_train", self.global_steps_finished)
+            if self.args.sanity_val_steps and self.global_steps_finished == 0:
+                self._evaluate(Stage.VAL, max_batches=self.args.sanity_val_steps, record=False)
+            save_final = True
+            try:
+                while self.epochs_finished < self.args.epochs and not self._should_end_training():
+                    self._train_epoch()
+                    self._end_epoch()
+            except StopTraining as stop:
+                logger.info("training stopped: %s", stop)
+                save_final = getattr(stop, "save_checkpoint", True)
+            self._call_hook("on_end_train", self.global_steps_finished)
+            if save_final and self.checkpointer_enabled and self._checkpointer_args("save_at_end", True):
+                self.save_checkpoint()
+            self.checkpointer.wait()
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for writer in self.writers:
+                writer.close()
+        return self.history
+
+    def _train_epoch(self) -> None:
+        """One epoch: micro-batches, accumulation cycles, optimizer steps."""
+        args, accumulation = self.args, self.gradient_accumulation
+        micro_batches = self._micro_batches_this_epoch()
+        self._train_sampler_call("set_epoch", self.epochs_finished)
+        self._train_sampler_call("fast_forward", self.batches_finished_in_epoch * self.train_step_batch_size)
+        # Creating a DataLoader iterator draws a seed from the global RNG. A resumed run
+        # restores the saved RNG where the saved run was: before that draw at an epoch
+        # boundary, after it mid-epoch.
+        if self.batches_finished_in_epoch == 0:
+            self._restore_pending_rng()
+            self._running_loss = torch.zeros((), device=self.device)
+            self._running_count = 0
+            self._logged_loss, self._logged_count = self._running_loss.clone(), 0
+        batches = iter(self._train_loader)
+        self._restore_pending_rng()
+        self._call_hook("on_begin_train_epoch", self.global_steps_finished, self.epochs_finished)
+        kept_outputs: List[Tuple[Any, ...]] = []
+        wrapped = self._wrapped
+        for batch_index in range(self.batches_finished_in_epoch, micro_batches or 2**62):
+            batch = next(batches, None)
+            if batch is None:
+                break
+            batch = self.backend.move_to_device(batch)
+            cycle_start = batch_index - batch_index % accumulation
+            cycle_length = min(accumulation, micro_batches - cycle_start) if micro_batches else accumulation
+            ends_cycle = batch_index + 1 == cycle_start + cycle_length
+            with self.backend.no_sync(wrapped, skip_gradient_sync=not ends_cycle and micro_batches is not None):
+                outputs = as_outputs(
+                    self.backend.forward(wrapped, Stage.TRAIN, self.global_steps_finished, batch, self.device),
+                    "train_step",
+                )
+                loss = outputs[0]
+                self.backend.backward(loss / cycle_length)
+            self._call_hook("on_end_backward", self.global_steps_finished, loss)
+            self._running_loss += loss.detach()
+            self._running_count += 1
+            if args.collect_train_outputs:
+                kept_outputs.append(_detached(outputs))
+            self._call_hook("on_end_train_step", self.global_steps_finished, *outputs)
+            if ends_cycle:
+                self.batches_finished_in_epoch = batch_index + 1
+                self._optimizer_step()
+                if self._after_optimizer_step():
+                    break
+        if micro_batches is None and self._has_pending_gradients():
+            self._optimizer_step()
+            self._after_optimizer_step()
+        self._end_train_epoch(kept_outputs)
+
+    def _optimizer_step(self) -> None:
+        """Unscale, clip, step optimizers (and per-step schedulers), zero gradients."""
+        args = self.args
+        self.backend.unscale_gradients(self.optimizers)
+        parameters = [p for p in self.module.parameters() if p.grad is not None]
+        if args.clip_grad_value is not None:
+            torch.nn.utils.clip_grad_value_(parameters, args.clip_grad_value)
+        if args.clip_grads or args.track_grad_norm:
+            max_norm = args.max_grad_norm if args.clip_grads else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+            if args.track_grad_norm:
+                self._metrics.log("grad_norm", grad_norm, on_step=True, on_epoch=True)
+        stepped = self.backend.step_optimizers(self.optimizers)
+        if stepped and args.scheduler_interval == "step":
+            for scheduler in self.schedulers:
+                if not isinstance(scheduler, _PLATEAU):
+                    scheduler.step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        self.global_steps_finished += 1
+
+    def _after_optimizer_step(self) -> bool:
+        """Hooks, logging, mid-epoch validation and saves after a step; True ends the epoch."""
+        args, step = self.args, self.global_steps_finished
+        self._call_hook("on_end_optimizer_step", step)
+        if args.max_time is not None and time.monotonic() - self._start_time > args.max_time:
+            self._time_is_up = True
+        at_log_point = step % args.log_every_n_steps == 0
+        if at_log_point:
+            self._log_train_metrics()
+            self._agree_on_stopping()
+        if args.val_every_n_steps and step % args.val_every_n_steps == 0:
+            self._evaluate(Stage.VAL)
+        if self.checkpointer_enabled and self.checkpointer.is_step_save_due(step):
+            self.save_checkpoint()
+        if self.backend.world_size > 1 and not at_log_point:
+            # Ranks agree on stopping only where they synchronise anyway (log points, epoch ends).
+            return args.max_steps is not None and step >= args.max_steps
+        return self._should_end_training()
+
+    def _agree_on_stopping(self) -> None:
+        """Under several ranks, stop if any rank wants to (one tiny all-reduce)."""
+        if self.backend.world_size > 1:
+            flags = torch.tensor([float(self.should_stop), float(self._time_is_up)], device=self.device)
+            flags = self.backend.all_reduce(flags, "max").tolist()
+            self.should_stop, self._time_is_up = bool(flags[0]), bool(flags[1])
+
+    def _end_train_epoch(self, kept_outputs: List[Tuple[Any, ...]]) -> None:
+        if self._running_count:
+            mean_loss = self.backend.all_reduce(self._running_loss / self._running_count)
+            self._record({"train_loss_epoch": float(mean_loss)})
+        self._record(self._reduce_collected(self._metrics.pop_epoch()))
+        outputs = _concatenate(kept_outputs) if kept_outputs else ()
+        self._call_hook("on_end_train_epoch", self.global_steps_finished, *outputs)
+
+    def _end_epoch(self) -> None:
+        """Counters, epoch schedulers, validation and the epoch-end checkpoint."""
+        epoch_completed = self.batches_finished_in_epoch >= (self._micro_batches_this_epoch() or 0)
+        if not epoch_completed and self._should_end_training():
+            return  # stopped mid-epoch: the final checkpoint records the position
+        if self.args.scheduler_interval == "epoch":
+            for scheduler in self.schedulers:
+                if not isinstance(scheduler, _PLATEAU):
+                    scheduler.step()
+        every = self.args.val_every_n_epochs
+        if every and (self.epochs_finished + 1) % every == 0:
+            self._evaluate(Stage.VAL)
+        self._log_epoch_summary()
+        self.epochs_finished += 1
+        self.batches_finished_in_epoch = 0
+        self._agree_on_stopping()
+        if self.checkpointer_enabled and self.epochs_finished < self.args.epochs and not self._should_end_training():
+            self.save_checkpoint(index=self.epochs_finished, force=False)
+
+    def _log_epoch_summary(self) -> None:
+        epoch = self.epochs_finished
+        latest = {r["name"]: r["value"] for r in self.history.records if r["epoch"] == epoch and r["name"] != "train_loss"}
+        summary = "  ".join(f"{name}={value:.4g}" for name, value in latest.items())
+        logger.info("epoch %d/%d (step %d): %s", epoch + 1, self.args.epochs, self.global_steps_finished, summary)
+
+    def _should_end_training(self) -> bool:
+        args = self.args
+        if args.max_steps is not None and self.global_steps_finished >= args.max_steps:
+            return True
+        if self._time_is_up:
+            return True
+        return self.should_stop and self.epochs_finished >= args.min_epochs
+
+    # -- evaluation ---------------------------------------------------------------------
+    def validate(self) -> Dict[str, float]:
+        """Run the validation loaders once; return the recorded metrics."""
+        return self._standalone_evaluation(Stage.VAL)
+
+    def test(self) -> Dict[str, float]:
+        """Run the test loaders once; return the recorded metrics."""
+        return self._standalone_evaluation(Stage.TEST)
+
+    def _standalone_evaluation(self, stage: Stage) -> Dict[str, float]:
+        self._start_writers()
+        try:
+            return self._evaluate(stage)
+        finally:
+            for writer in self.writers:
+                writer.close()
+
+    def _evaluate(self, stage: Stage, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
+        """Run every loader of ``stage`` without gradients; gather outputs in dataset order."""
+        args = self.args
+        batch_size = args.val_batch_size or self.train_step_batch_size
+        sampler = self.backend.sampler_factory(shuffle=False, seed=args.seed)
+        get_loaders = self.module.get_val_dataloaders if stage is Stage.VAL else self.module.get_test_dataloaders
+        loaders = as_loader_dict(get_loaders(sampler, batch_size), get_loaders.__name__)
+        results: Dict[str, float] = {}
+        was_training = self.module.training
+        train_metrics, eval_metrics = self._metrics, MetricCollector()
+        self.module.__dict__["_metric_logger"] = eval_metrics
+        self.module.eval()
+        try:
+            for key, loader in loaders.items():
+                if record:
+                    self._call_hook(f"on_begin_{stage.value}_epoch", self.global_steps_finished, key=key)
+                limit = max_batches or _batch_limit(args.max_val_steps_per_epoch, loader)
+                collected = []
+                with torch.no_grad():
+                    for index, batch in enumerate(loader):
+                        if limit is not None and index >= limit:
+                            break
+                        batch = self.backend.move_to_device(batch)
+                        step_outputs = self.backend.forward(self._runner, stage, self.global_steps_finished, batch, self.device)
+                        collected.append(_detached(as_outputs(step_outputs, f"{stage.value}_step")))
+                if not record:
+                    continue
+                outputs = self._gather_in_dataset_order(collected)
+                suffix = f"/{key}" if key else ""
+                metrics = {f"{stage.value}_loss{suffix}": float(outputs[0].float().mean())} if outputs else {}
+                self._call_hook(f"on_end_{stage.value}_epoch", self.global_steps_finished, *outputs, key=key)
+                logged = self._reduce_collected(eval_metrics.pop_epoch())  # from steps and the hook above
+                metrics.update({f"{name}{suffix}": value for name, value in logged.items()})
+                self._record(metrics)
+                results.update(metrics)
+        finally:
+            self.module.train(was_training)
+            self.module.__dict__["_metric_logger"] = train_metrics
+        if record and stage is Stage.VAL:
+            self._step_plateau_schedulers()
+        return results
+
+    def _gather_in_dataset_order(self, collected: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
+        """Concatenate step outputs, then interleave ranks back into dataset order.
+
+        The ordered sampler gives rank ``r`` the samples ``r, r + W, r + 2W, ...``, so
+        position ``j`` of rank ``r``'s outputs is sample ``j * W + r``.
+        """
+        local = _concatenate(collected) if collected else ()
+        world_size = self.backend.world_size
+        if world_size == 1:
+            return local
+        gathered = self.backend.all_gather_object(_to_cpu(local))
+        merged = []
+        for position in range(len(gathered[0])):
+            parts = [rank_outputs[position] for rank_outputs in gathered]
+            if not all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in parts):
+                merged.append(parts)
+                continue
+            order = torch.cat([torch.arange(len(part)) * world_size + rank for rank, part in enumerate(parts)])
+            merged.append(torch.cat(parts)[torch.argsort(order)])
+        return tuple(merged)
+
+    def _step_plateau_schedulers(self) -> None:
+        plateau = [s for s in self.schedulers if isinstance(s, _PLATEAU)]
+        value = self.history.latest(self.args.scheduler_monitor)
+        if plateau and value is None:
+            raise ValueError(
+                f"ReduceLROnPlateau needs the metric scheduler_monitor={self.args.scheduler_monitor!r}, "
+                f"which was not recorded; recorded metrics: {self.history.names()}"
+            )
+        for scheduler in plateau:
+            scheduler.step(value)
+
+    # -- metrics --------------------------------------------------------------------------
+    def _log_train_metrics(self) -> None:
+        """Read the running loss (and logged step values) back from the device and write them."""
+        metrics = {}
+        count = self._running_count - self._logged_count
+        if count:
+            interval_mean = (self._running_loss - self._logged_loss) / count
+            metrics["train_loss"] = float(self.backend.all_reduce(interval_mean))
+            self._logged_loss, self._logged_count = self._running_loss.clone(), self._running_count
+        metrics.update(self._reduce_collected(self._metrics.pop_step()))
+        self._record(metrics)
+
+    def _reduce_collected(self, collected: Dict[str, Tuple[torch.Tensor, str]]) -> Dict[str, float]:
+        return {name: float(self.backend.all_reduce(value, reduce)) for name, (value, reduce) in collected.items()}
+
+    def _record(self, metrics: Dict[str, float]) -> None:
+        if not metrics:
+            return
+        records = [self.history.add(name, value, self.global_steps_finished, self.epochs_finished) for name, value in metrics.items()]
+        if self.is_main_process:
+            for writer in self.writers:
+                writer.write(records)
+        self._call_hook("on_log_metrics", self.global_steps_finished, dict(metrics))
+
+    def _start_writers(self) -> None:
+        if self.writers or not self.is_main_process or self.args.fast_dev_run:
+            return
+        self.writers.append(CSVWriter(os.path.join(self.args.output_dir, "metrics.csv")))
+        for writer in self.writers:
+            writer.start(self.history.records)
+
+    # -- setup ----------------------------------------------------------------------------
+    def _create_train_loader(self) -> None:
+        if self._train_loader is not None:
+            return
+        sampler = self.backend.sampler_factory(shuffle=True, seed=self.args.seed)
+        self._train_loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
+        try:
+            length = len(self._train_loader)
+        except TypeError:
+            length = None
+        if length is not None and self.backend.world_size > 1:
+            length = int(self.backend.all_reduce(torch.tensor(length, device=self.device), "min"))
+        self._loader_length = length
+
+    def _setup_training(self) -> None:
+        self._create_train_loader()
+        if self._wrapped is None:
+            self._wrapped = self.backend.wrap_module(self._runner)
+        if not self.optimizers:
+            optimizers, schedulers = self.module.get_optimizers_schedulers(
+                self.estimated_global_steps_per_epoch, self.args.epochs
+            )
+            self.optimizers, self.schedulers = list(optimizers), list(schedulers or [])
+            if not self.optimizers:
+                raise ValueError("get_optimizers_schedulers returned no optimizer; return ([optimizer, ...], [schedulers])")
+        for callback in self.callbacks:
+            callback.setup(self)
+        if not self._restored:
+            self._restored = True
+            self._restore_checkpoint()
+        self._start_writers()
+        self._start_time = time.monotonic()
+        self.module.train()
+
+    def _micro_batches_this_epoch(self) -> Optional[int]:
+        steps = self.estimated_global_steps_per_epoch
+        if steps is None:
+            return None
+        if self._loader_length is None:
+            return steps * self.gradient_accumulation
+        return min(self._loader_length, steps * self.gradient_accumulation)
+
+    def _train_sampler_call(self, method: str, *arguments: Any) -> None:
+        sampler = getattr(self._train_loader, "sampler", None)
+        if hasattr(sampler, method):
+            getattr(sampler, method)(*arguments)
+        elif method == "fast_forward" and arguments[0]:
+            raise ValueError(
+                "resuming mid-epoch needs the train loader's sampler to support fast_forward(n); "
+                "build it with the sampler(dataset) callable handed to get_train_dataloader"
+            )
+
+    def _restore_pending_rng(self) -> None:
+        if self._pending_rng is not None:
+            restore_rng_state(self._pending_rng)
+            self._pending_rng = None
+
+    def _has_pending_gradients(self) -> bool:
+        return any(p.grad is not None for p in self.module.parameters())
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _call_hook(self, name: str, *arguments: Any, **keywords: Any) -> None:
+        """The module's hook, then each callback's."""
+        getattr(self.module, name)(*arguments, **keywords)
+        for callback in self.callbacks:
+            getattr(callback, name)(*arguments, **keywords)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    @property
+    def checkpointer_enabled(self) -> bool:
+        return not self.args.fast_dev_run
+
+    def _checkpointer_args(self, name: str, default: Any) -> Any:
+        return getattr(getattr(self.checkpointer, "args", None), name, default)
+
+    def save_checkpoint(self, index: Optional[int] = None, force: bool = True) -> Optional[str]:
+        """Save module, trainer and backend state (rank zero writes; every rank waits)."""
+        trainer_state = self.get_state()  # collective under DDP: every rank builds it
+        checkpoint = Checkpoint(
+            module_state=self.module.get_state(),
+            trainer_state=trainer_state,
+            backend_state=self.backend.get_state(),
+            global_step=self.global_steps_finished,
+            epoch=self.epochs_finished,
+            metrics=self.history.latest_values(),
+        )
+        self.backend.barrier()
+        location = None
+        if self.is_main_process:
+            location = self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
+        self.backend.barrier()
+        return location
+
+    def save_model_checkpoint(self) -> Optional[str]:
+        """Write the module's weights alone (for inference), on rank zero."""
+        location = None
+        if self.is_main_process:
+            location = self.checkpointer.save_model(self.module.get_state(), self.global_steps_finished)
+        self.backend.barrier()
+        return location
+
+    def _restore_checkpoint(self) -> None:
+        checkpoint = self.checkpointer.load()
+        if checkpoint is None:
+            return
+        self.module.update_state(checkpoint.module_state)
+        if self._checkpointer_args("reset_optimizers_schedulers", False):
+            return
+        self.backend.update_state(checkpoint.backend_state)
+        self.update_state(checkpoint.trainer_state)
+
+    def get_state(self) -> Dict[str, Any]:
+        """Counters, optimizers, schedulers, RNG states of every rank, sampler, callbacks, history."""
+        running_loss = self._running_loss if self._running_loss is not None else torch.zeros(())
+        return {
+            "epochs_finished": self.epochs_finished,
+            "global_steps_finished": self.global_steps_finished,
+            "batches_finished_in_epoch": self.batches_finished_in_epoch,
+            "running_loss": running_loss.detach().cpu(),
+            "running_count": getattr(self, "_running_count", 0),
+            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
+            "rng": self.backend.all_gather_object(capture_rng_state()),
+            "callbacks": [callback.get_state() for callback in self.callbacks],
+            "checkpointer": self.checkpointer.get_state(),
+            "history": self.history.state_dict(),
+            "world_size": self.backend.world_size,
+        }
+
+    def update_state(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`get_state` returned (optimizers must exist: call inside train)."""
+        self.epochs_finished = int(state["epochs_finished"])
+        self.global_steps_finished = int(state["global_steps_finished"])
+        self.batches_finished_in_epoch = int(state["batches_finished_in_epoch"])
+        self._running_loss = state["running_loss"].to(self.device)
+        self._running_count = int(state["running_count"])
+        self._logged_loss, self._logged_count = self._running_loss.clone(), self._running_count
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
+            scheduler.load_state_dict(scheduler_state)
+        rng_states = state["rng"]
+        if len(rng_states) != self.backend.world_size:
+            logger.warning("checkpoint written by %d ranks, resumed on %d: RNG streams differ", len(rng_states), self.backend.world_size)
+        self._pending_rng = rng_states[self.backend.rank % len(rng_states)]
+        for callback, callback_state in zip(self.callbacks, state["callbacks"]):
+            callback.update_state(callback_state)
+        self.checkpointer.update_state(state.get("checkpointer", {}))
+        self.history.load_state_dict(state["history"])
+
+    def close(self) -> None:
+        """Wait for background saves and leave the process group."""
+        try:
+            self.checkpointer.wait()
+        finally:
+            self.backend.teardown()
+
+
+def _detached(outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
+
+
+def _to_cpu(outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    return tuple(o.cpu() if isinstance(o, torch.Tensor) else o for o in outputs)
+
+
+def _concatenate(per_step: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
+    """Join each output position over steps: tensors with a batch dim are concatenated,
+    0-d tensors stacked, anything else listed."""
+    joined = []
+    for parts in zip(*per_step):
+        if all(isinstance(p, torch.Tensor) for p in parts):
+            joined.append(torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts]))
+        else:
+            joined.append(list(parts))
+    return tuple(joined)
+
+
+def _batch_limit(limit: Optional[float], loader: Iterable) -> Optional[int]:
+    if limit is None or isinstance(limit, int):
+        return limit
+    return max(1, math.floor(limit * len(loader)))

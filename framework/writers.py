@@ -1,0 +1,87 @@
+"""Metric writers: where recorded values go on rank zero (CSV, TensorBoard)."""
+
+import csv
+import os
+from typing import Any, Dict, Iterable, List
+
+
+class MetricWriter:
+    """Receives every metric record on rank zero.
+
+    Example:
+        >>> class PrintWriter(MetricWriter):
+        ...     def write(self, records):
+        ...         for record in records:
+        ...             print(record["name"], record["value"])
+    """
+
+    def start(self, records: List[Dict[str, Any]]) -> None:
+        """Called once before training with the history so far (non-empty after a resume)."""
+
+    def write(self, records: Iterable[Dict[str, Any]]) -> None:
+        """Write newly recorded values."""
+
+    def close(self) -> None:
+        """Flush and release files."""
+
+
+class CSVWriter(MetricWriter):
+    """``metrics.csv`` with columns ``epoch, step, name, value``, one value per row.
+
+    On start the file is rewritten from the history, so after a resume it holds exactly the
+    values of the resumed run (nothing from steps that were lost).
+
+    Example:
+        >>> import tempfile
+        >>> writer = CSVWriter(os.path.join(tempfile.mkdtemp(), "metrics.csv"))
+        >>> writer.start([])
+        >>> writer.write([{"epoch": 0, "step": 1, "name": "train_loss", "value": 0.3}])
+        >>> writer.close()
+    """
+
+    FIELDS = ("epoch", "step", "name", "value")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._handle = None
+        self._writer = None
+
+    def start(self, records: List[Dict[str, Any]]) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self._handle = open(self.path, "w", newline="")
+        self._writer = csv.DictWriter(self._handle, fieldnames=self.FIELDS)
+        self._writer.writeheader()
+        self.write(records)
+
+    def write(self, records: Iterable[Dict[str, Any]]) -> None:
+        if self._writer is None:
+            return
+        self._writer.writerows(records)
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        self._handle = self._writer = None
+
+
+class TensorBoardWriter(MetricWriter):
+    """Scalars to TensorBoard event files (needs the ``[tensorboard]`` extra).
+
+    Example:
+        >>> writer = TensorBoardWriter("outputs/tensorboard")  # doctest: +SKIP
+    """
+
+    def __init__(self, log_dir: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ImportError("TensorBoard logging needs the extra: pip install 'torch-trainer-framework[tensorboard]'") from error
+        self._summary = SummaryWriter(log_dir=log_dir)
+
+    def write(self, records: Iterable[Dict[str, Any]]) -> None:
+        for record in records:
+            self._summary.add_scalar(record["name"], record["value"], record["step"])
+
+    def close(self) -> None:
+        self._summary.close()

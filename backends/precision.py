@@ -74,6 +74,8 @@ class MixedPrecision(Precision):
     Args:
         dtype: ``"float16"``, ``"bfloat16"`` or None (from ``TrainerArguments.amp_dtype``;
             when that is None too: fp16 on CUDA, bf16 on CPU).
+        use_grad_scaler: None: a ``GradScaler`` exactly when the dtype is fp16; True/False
+            force it on or off (e.g. dynamic loss scaling for bf16 on CPU).
 
     Example:
         >>> precision = MixedPrecision("bfloat16")
@@ -86,8 +88,9 @@ class MixedPrecision(Precision):
 
     name = "amp"
 
-    def __init__(self, dtype: Optional[str] = None) -> None:
+    def __init__(self, dtype: Optional[str] = None, use_grad_scaler: Optional[bool] = None) -> None:
         self.requested_dtype = dtype
+        self.use_grad_scaler = use_grad_scaler
         self.device_type = "cpu"
         self.dtype = torch.bfloat16
         self.scaler: Optional[torch.amp.GradScaler] = None
@@ -104,8 +107,8 @@ class MixedPrecision(Precision):
             )
         self.device_type = device.type
         self.dtype = _AMP_DTYPES[name]
-        use_scaler = self.dtype == torch.float16
-        self.scaler = torch.amp.GradScaler(device.type, enabled=use_scaler) if use_scaler else None
+        use_scaler = self.dtype == torch.float16 if self.use_grad_scaler is None else self.use_grad_scaler
+        self.scaler = torch.amp.GradScaler(device.type) if use_scaler else None
         if self.scaler is not None and self._pending_scaler_state:
             self.scaler.load_state_dict(self._pending_scaler_state)
         self._pending_scaler_state = None

@@ -1,5 +1,7 @@
 """Train the digits classifier: ``python examples/run.py [--config FILE] [--section.field VALUE]``.
 
+Without ``--config`` it reads ``examples/digits.yaml``.
+
 Under torchrun: ``torchrun --nproc_per_node=2 examples/run.py --backend ddp``.
 """
 
@@ -14,7 +16,13 @@ from framework import Trainer  # noqa: E402
 from framework.config import parse_config  # noqa: E402
 
 
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.yaml")
+
+
 def main(argv=None) -> float:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(arg == "--config" or arg.startswith("--config=") for arg in argv):
+        argv = ["--config", DEFAULT_CONFIG] + argv
     config = parse_config({"model": DigitsArguments}, argv=argv, program="examples/run.py")
     trainer = Trainer(module=DigitsClassifier(config.model), args=config.trainer)
     history = trainer.train()

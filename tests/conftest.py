@@ -1,0 +1,18 @@
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+# Tests run on CPU; keep each process to few threads so 2-rank DDP tests share 2 cores well.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    import torch
+
+    torch.set_num_threads(1)
+    yield

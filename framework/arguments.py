@@ -85,6 +85,8 @@ class TrainerArguments:
     """Level of the framework's log messages on rank zero."""
     output_dir: str = "outputs"
     """Where metrics.csv, config.yaml and (by default) checkpoints go."""
+    tensorboard: bool = False
+    """Also write metrics as TensorBoard events to ``<output_dir>/tensorboard`` (extra ``[tensorboard]``)."""
     checkpointer_args: DefaultCheckpointerArguments = field(default_factory=DefaultCheckpointerArguments)
     """Arguments of the default checkpointer."""
 

@@ -20,7 +20,7 @@ from framework.metrics import MetricCollector, MetricHistory
 from framework.module import ModuleInterface, StepRunner, as_loader_dict, as_outputs
 from framework.rng import capture_rng_state, restore_rng_state, seed_everything
 from framework.stage import Stage
-from framework.writers import CSVWriter, MetricWriter
+from framework.writers import CSVWriter, MetricWriter, TensorBoardWriter
 
 logger = logging.getLogger("framework")
 
@@ -424,6 +424,8 @@ class Trainer:
         if self.writers or not self.is_main_process or self.args.fast_dev_run:
             return
         self.writers.append(CSVWriter(os.path.join(self.args.output_dir, "metrics.csv")))
+        if self.args.tensorboard:
+            self.writers.append(TensorBoardWriter(os.path.join(self.args.output_dir, "tensorboard")))
         for writer in self.writers:
             writer.start(self.history.records)
 

@@ -1,0 +1,91 @@
+"""Bad input gets an early, clear error that names the bad value and what is allowed."""
+
+import pytest
+import torch
+from toy import ToyModule
+
+from framework import Trainer, TrainerArguments
+from framework.arguments import micro_batch_plan
+from framework.config import ConfigError, parse_config
+
+
+class WrongReturn(ToyModule):
+    def train_step(self, global_step, batch, device):
+        return "not a loss"
+
+
+def test_wrong_train_step_return_type(tmp_path):
+    trainer = Trainer(WrongReturn(), TrainerArguments(disable_tqdm=True, output_dir=str(tmp_path)))
+    with pytest.raises(TypeError, match=r"train_step must return a loss tensor.*got str"):
+        trainer.train()
+
+
+def test_unknown_backend_lists_known_names():
+    with pytest.raises(ValueError, match=r"unknown backend 'tpu'.*ddp, ddp-amp, sp, sp-amp"):
+        Trainer(ToyModule(), TrainerArguments(backend="tpu"))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"train_batch_size": 0}, r"train_batch_size=0 is invalid; allowed: an integer >= 1"),
+        ({"epochs": -1}, r"epochs=-1 is invalid"),
+        ({"max_train_steps_per_epoch": 1.5}, r"max_train_steps_per_epoch=1.5 is invalid; allowed: None, an integer >= 1, or a fraction"),
+        ({"scheduler_interval": "batch"}, r"scheduler_interval='batch' is invalid; allowed: 'step' or 'epoch'"),
+        ({"amp_dtype": "float8"}, r"amp_dtype='float8'"),
+        ({"log_level": "LOUD"}, r"log_level='LOUD'"),
+    ],
+)
+def test_invalid_arguments(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerArguments(**fields)
+
+
+def test_batch_not_divisible_into_micro_batches():
+    with pytest.raises(ValueError, match=r"gpu_batch_size_limit=8 does not divide.*30.*e\.g\. 6, 5, 3"):
+        micro_batch_plan(30, world_size=1, gpu_batch_size_limit=8)
+    with pytest.raises(ValueError, match=r"train_batch_size=33 is not divisible by the world size 2"):
+        micro_batch_plan(33, world_size=2, gpu_batch_size_limit=None)
+    with pytest.raises(ValueError, match="gpu_batch_size_limit=8"):
+        Trainer(ToyModule(), TrainerArguments(train_batch_size=30, gpu_batch_size_limit=8))
+
+
+def test_fp16_on_cpu_is_refused():
+    with pytest.raises(ValueError, match=r"amp_dtype='float16' needs a CUDA device"):
+        Trainer(ToyModule(), TrainerArguments(backend="sp-amp", amp_dtype="float16", use_gpu=False))
+
+
+def test_use_gpu_without_gpu():
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(ValueError, match=r"use_gpu=True but torch.cuda.is_available\(\) is False"):
+        Trainer(ToyModule(), TrainerArguments(use_gpu=True))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match=r"config file 'nope.yaml' does not exist"):
+        parse_config(argv=["--config", "nope.yaml"])
+
+
+def test_unknown_config_key_suggests():
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer.epoch'.*did you mean 'trainer.epochs'"):
+        parse_config(argv=["--trainer.epoch", "3"])
+
+
+def test_bad_config_value_type():
+    with pytest.raises(ConfigError, match=r"trainer.epochs='three'.*expected an integer"):
+        parse_config(argv=["--trainer.epochs", "three"])
+
+
+def test_module_type_checked():
+    with pytest.raises(TypeError, match="module must be a ModuleInterface, got Linear"):
+        Trainer(torch.nn.Linear(2, 2))
+
+
+def test_optimizers_required(tmp_path):
+    class NoOptimizer(ToyModule):
+        def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+            return [], []
+
+    with pytest.raises(ValueError, match="returned no optimizer"):
+        Trainer(NoOptimizer(), TrainerArguments(disable_tqdm=True, output_dir=str(tmp_path))).train()

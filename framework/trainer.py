@@ -200,7 +200,7 @@ class Trainer:
                     "train_step",
                 )
                 loss = outputs[0]
-                self.backend.backward(loss / cycle_length)
+                self.backend.backward(loss / cycle_length if cycle_length > 1 else loss)
             self._call_hook("on_end_backward", self.global_steps_finished, loss)
             self._running_loss += loss.detach()
             self._running_count += 1
@@ -221,12 +221,11 @@ class Trainer:
         """Unscale, clip, step optimizers (and per-step schedulers), zero gradients."""
         args = self.args
         self.backend.unscale_gradients(self.optimizers)
-        parameters = [p for p in self.module.parameters() if p.grad is not None]
         if args.clip_grad_value is not None:
-            torch.nn.utils.clip_grad_value_(parameters, args.clip_grad_value)
+            torch.nn.utils.clip_grad_value_(self._parameters, args.clip_grad_value)
         if args.clip_grads or args.track_grad_norm:
             max_norm = args.max_grad_norm if args.clip_grads else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self._parameters, max_norm)
             if args.track_grad_norm:
                 self._metrics.log("grad_norm", grad_norm, on_step=True, on_epoch=True)
         stepped = self.backend.step_optimizers(self.optimizers)
@@ -447,6 +446,7 @@ class Trainer:
         self._create_train_loader()
         if self._wrapped is None:
             self._wrapped = self.backend.wrap_module(self._runner)
+            self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
             optimizers, schedulers = self.module.get_optimizers_schedulers(
                 self.estimated_global_steps_per_epoch, self.args.epochs
@@ -487,7 +487,7 @@ class Trainer:
             self._pending_rng = None
 
     def _has_pending_gradients(self) -> bool:
-        return any(p.grad is not None for p in self.module.parameters())
+        return any(p.grad is not None for p in self._parameters)
 
     # -- hooks ----------------------------------------------------------------------------
     def _call_hook(self, name: str, *arguments: Any, **keywords: Any) -> None:

@@ -109,6 +109,8 @@ class Trainer:
         self._logged_count = 0
         self._pending_rng: Optional[Dict[str, Any]] = None
         self._restored = False
+        self._closure_optimizers = False
+        self._last_validation_step: Optional[int] = None
         self._time_is_up = False
         self._start_time = 0.0
         seed_everything(args.seed)
@@ -194,14 +196,12 @@ class Trainer:
             cycle_start = batch_index - batch_index % accumulation
             cycle_length = min(accumulation, micro_batches - cycle_start) if micro_batches else accumulation
             ends_cycle = batch_index + 1 == cycle_start + cycle_length
-            with self.backend.no_sync(wrapped, skip_gradient_sync=not ends_cycle and micro_batches is not None):
-                outputs = as_outputs(
-                    self.backend.forward(wrapped, Stage.TRAIN, self.global_steps_finished, batch, self.device),
-                    "train_step",
-                )
-                loss = outputs[0]
-                self.backend.backward(loss / cycle_length if cycle_length > 1 else loss)
-            self._call_hook("on_end_backward", self.global_steps_finished, loss)
+            if self._closure_optimizers:
+                outputs = self._closure_optimizer_step(wrapped, batch)
+            else:
+                skip_sync = not ends_cycle and micro_batches is not None
+                outputs = self._forward_backward(wrapped, batch, cycle_length, skip_sync)
+            loss = outputs[0]
             self._running_loss += loss.detach()
             self._running_count += 1
             if args.collect_train_outputs:
@@ -209,7 +209,8 @@ class Trainer:
             self._call_hook("on_end_train_step", self.global_steps_finished, *outputs)
             if ends_cycle:
                 self.batches_finished_in_epoch = batch_index + 1
-                self._optimizer_step()
+                if not self._closure_optimizers:
+                    self._optimizer_step()
                 if self._after_optimizer_step():
                     break
         if micro_batches is None and self._has_pending_gradients():
@@ -217,10 +218,49 @@ class Trainer:
             self._after_optimizer_step()
         self._end_train_epoch(kept_outputs)
 
-    def _optimizer_step(self) -> None:
-        """Unscale, clip, step optimizers (and per-step schedulers), zero gradients."""
+    def _forward_backward(self, wrapped: torch.nn.Module, batch: Any, cycle_length: int, skip_sync: bool) -> Tuple[Any, ...]:
+        """Forward and backward of one micro-batch; with ``tbptt_steps``, chunk by chunk along
+        dim 1, carrying the (detached) hidden state and summing the chunks' gradients."""
+        step, device = self.global_steps_finished, self.device
+        if not self.args.tbptt_steps:
+            with self.backend.no_sync(wrapped, skip_gradient_sync=skip_sync):
+                outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, batch, device), "train_step")
+                self.backend.backward(outputs[0] / cycle_length if cycle_length > 1 else outputs[0])
+            self._call_hook("on_end_backward", step, outputs[0])
+            return outputs
+        chunks = split_along_time(batch, self.args.tbptt_steps)
+        hiddens, total_loss = None, 0.0
+        for index, chunk in enumerate(chunks):
+            with self.backend.no_sync(wrapped, skip_gradient_sync=skip_sync or index + 1 < len(chunks)):
+                outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, chunk, device, hiddens), "train_step")
+                if len(outputs) < 2:
+                    raise TypeError("with tbptt_steps set, train_step(global_step, batch, device, hiddens) must return (loss, hiddens, ...)")
+                self.backend.backward(outputs[0] / (cycle_length * len(chunks)))
+            self._call_hook("on_end_backward", step, outputs[0])
+            hiddens = _detach_nested(outputs[1])
+            total_loss = total_loss + outputs[0].detach()
+        return (total_loss / len(chunks), *outputs[1:])
+
+    def _closure_optimizer_step(self, wrapped: torch.nn.Module, batch: Any) -> Tuple[Any, ...]:
+        """One step of optimizers that re-evaluate the loss themselves (LBFGS)."""
+        first_outputs: List[Tuple[Any, ...]] = []
+
+        def closure() -> torch.Tensor:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=False)
+            outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, self.global_steps_finished, batch, self.device), "train_step")
+            self.backend.backward(outputs[0])
+            self._clip_gradients()
+            if not first_outputs:
+                first_outputs.append(outputs)
+                self._call_hook("on_end_backward", self.global_steps_finished, outputs[0])
+            return outputs[0]
+
+        self._optimizer_step(closure)
+        return first_outputs[0]
+
+    def _clip_gradients(self) -> None:
         args = self.args
-        self.backend.unscale_gradients(self.optimizers)
         if args.clip_grad_value is not None:
             torch.nn.utils.clip_grad_value_(self._parameters, args.clip_grad_value)
         if args.clip_grads or args.track_grad_norm:
@@ -228,7 +268,14 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self._parameters, max_norm)
             if args.track_grad_norm:
                 self._metrics.log("grad_norm", grad_norm, on_step=True, on_epoch=True)
-        stepped = self.backend.step_optimizers(self.optimizers)
+
+    def _optimizer_step(self, closure: Any = None) -> None:
+        """Unscale, clip, step optimizers (and per-step schedulers), zero gradients."""
+        args = self.args
+        if closure is None:
+            self.backend.unscale_gradients(self.optimizers)
+            self._clip_gradients()
+        stepped = self.backend.step_optimizers(self.optimizers, closure)
         if stepped and args.scheduler_interval == "step":
             for scheduler in self.schedulers:
                 if not isinstance(scheduler, _PLATEAU):
@@ -281,7 +328,7 @@ class Trainer:
                 if not isinstance(scheduler, _PLATEAU):
                     scheduler.step()
         every = self.args.val_every_n_epochs
-        if every and (self.epochs_finished + 1) % every == 0:
+        if every and (self.epochs_finished + 1) % every == 0 and self._last_validation_step != self.global_steps_finished:
             self._evaluate(Stage.VAL)
         self._log_epoch_summary()
         self.epochs_finished += 1
@@ -360,6 +407,7 @@ class Trainer:
             self.module.train(was_training)
             self.module.__dict__["_metric_logger"] = train_metrics
         if record and stage is Stage.VAL:
+            self._last_validation_step = self.global_steps_finished
             self._step_plateau_schedulers()
         return results
 
@@ -454,6 +502,12 @@ class Trainer:
             self.optimizers, self.schedulers = list(optimizers), list(schedulers or [])
             if not self.optimizers:
                 raise ValueError("get_optimizers_schedulers returned no optimizer; return ([optimizer, ...], [schedulers])")
+            self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
+            if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
+                raise ValueError(
+                    "LBFGS re-evaluates the loss itself: it needs gradient_accumulation == 1 (gpu_batch_size_limit "
+                    f"unset or >= the per-process batch, got accumulation {self.gradient_accumulation}) and no tbptt_steps"
+                )
         for callback in self.callbacks:
             callback.setup(self)
         if not self._restored:
@@ -585,6 +639,45 @@ class Trainer:
             self.checkpointer.wait()
         finally:
             self.backend.teardown()
+
+
+def split_along_time(batch: Any, chunk_length: int) -> List[Any]:
+    """Split every tensor of ``batch`` with 2+ dims along dim 1 into chunks of ``chunk_length``.
+
+    Tuples, lists and dicts are split element-wise; other values are repeated in every chunk.
+
+    Example:
+        >>> [c[0].shape[1] for c in split_along_time((torch.zeros(2, 5, 3), torch.zeros(2, 5)), 2)]
+        [2, 2, 1]
+    """
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(chunk_length, dim=1)) if batch.dim() >= 2 else None
+    if isinstance(batch, dict):
+        parts = {key: split_along_time(value, chunk_length) for key, value in batch.items()}
+        count = _chunk_count(parts.values())
+        return [{key: value[i] if value is not None else batch[key] for key, value in parts.items()} for i in range(count)]
+    if isinstance(batch, (list, tuple)):
+        parts = [split_along_time(value, chunk_length) for value in batch]
+        count = _chunk_count(parts)
+        return [type(batch)(p[i] if p is not None else v for p, v in zip(parts, batch)) for i in range(count)]
+    return None
+
+
+def _chunk_count(parts: Iterable[Optional[List[Any]]]) -> int:
+    counts = {len(p) for p in parts if p is not None}
+    if len(counts) != 1:
+        raise ValueError(f"tbptt_steps needs every tensor with 2+ dims to share dim 1's length; got chunk counts {sorted(counts)}")
+    return counts.pop()
+
+
+def _detach_nested(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detach_nested(v) for v in value)
+    if isinstance(value, dict):
+        return {key: _detach_nested(v) for key, v in value.items()}
+    return value
 
 
 def _detached(outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:

@@ -34,6 +34,12 @@ class TrainerBackend:
     """
 
     def __init__(self, strategy: Optional[Strategy] = None, precision: Optional[Precision] = None) -> None:
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a backends.Strategy (e.g. SingleProcess(), DDP()), got {type(strategy).__name__}")
+        if precision is not None and not isinstance(precision, Precision):
+            raise TypeError(
+                f"precision must be a backends.Precision (e.g. FullPrecision(), MixedPrecision()), got {type(precision).__name__}"
+            )
         self.strategy = strategy if strategy is not None else SingleProcess()
         self.precision = precision if precision is not None else FullPrecision()
 
@@ -65,9 +71,17 @@ class TrainerBackend:
         find_unused_parameters: bool = False,
         ddp_timeout: float = 600.0,
     ) -> None:
-        """Pick the device, join the process group (DDP) and prepare the precision."""
+        """Pick the device, join the process group (DDP) and prepare the precision.
+
+        If the precision refuses the device (fp16 on CPU), the process group is left again
+        before the error propagates.
+        """
         self.strategy.setup(use_gpu=use_gpu, find_unused_parameters=find_unused_parameters, ddp_timeout=ddp_timeout)
-        self.precision.setup(self.device, amp_dtype)
+        try:
+            self.precision.setup(self.device, amp_dtype)
+        except BaseException:
+            self.strategy.teardown()
+            raise
 
     def teardown(self) -> None:
         """Leave the process group; safe to call more than once."""

@@ -89,6 +89,8 @@ class MixedPrecision(Precision):
     name = "amp"
 
     def __init__(self, dtype: Optional[str] = None, use_grad_scaler: Optional[bool] = None) -> None:
+        if dtype is not None and dtype not in _AMP_DTYPES:
+            raise ValueError(f"MixedPrecision dtype={dtype!r} is not supported; allowed: None, {sorted(_AMP_DTYPES)}")
         self.requested_dtype = dtype
         self.use_grad_scaler = use_grad_scaler
         self.device_type = "cpu"
@@ -100,10 +102,16 @@ class MixedPrecision(Precision):
         name = self.requested_dtype or amp_dtype or ("float16" if device.type == "cuda" else "bfloat16")
         if name not in _AMP_DTYPES:
             raise ValueError(f"amp_dtype={name!r} is not supported; allowed: {sorted(_AMP_DTYPES)}")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"mixed precision runs on 'cuda' or 'cpu' devices, got {device.type!r}")
         if device.type == "cpu" and name == "float16":
             raise ValueError(
                 "amp_dtype='float16' needs a CUDA device; on CPU mixed precision is bf16 autocast: "
                 "use amp_dtype='bfloat16' (or leave it unset)"
+            )
+        if device.type == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise ValueError(
+                f"amp_dtype='bfloat16' is not supported by {torch.cuda.get_device_name(device)}; use amp_dtype='float16'"
             )
         self.device_type = device.type
         self.dtype = _AMP_DTYPES[name]
@@ -136,7 +144,10 @@ class MixedPrecision(Precision):
         # update() tells whether it skipped, at the cost of one more tiny read.
         scale_before = self.scaler.get_scale()
         for optimizer in optimizers:
-            self.scaler.step(optimizer)
+            # GradScaler.step refuses an optimizer none of whose parameters has a gradient
+            # (e.g. the idle one of two alternating optimizers); stepping it is a no-op anyway.
+            if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+                self.scaler.step(optimizer)
         self.scaler.update()
         return self.scaler.get_scale() >= scale_before
 

@@ -1,5 +1,6 @@
 """Backends by name: the built-ins, ``@register_backend`` plugins and entry points."""
 
+import importlib
 import logging
 from importlib import metadata
 from typing import Callable, Dict, List, Optional, TypeVar, Union
@@ -36,14 +37,37 @@ def register_backend(name: str, factory: Optional[F] = None, *, override: bool =
         raise ValueError(f"backend name must be a non-empty string, got {name!r}")
 
     def decorator(backend_factory: F) -> F:
-        if not callable(backend_factory):
-            raise TypeError(f"backend {name!r} must be a TrainerBackend subclass or a callable, got {backend_factory!r}")
+        if not callable(backend_factory) or (
+            isinstance(backend_factory, type) and not issubclass(backend_factory, TrainerBackend)
+        ):
+            raise TypeError(
+                f"backend {name!r} must be a TrainerBackend subclass or a function returning a TrainerBackend, "
+                f"got {backend_factory!r}"
+            )
         if name in _registry and not override and _registry[name] is not backend_factory:
             raise ValueError(f"backend name {name!r} is already registered; pass override=True to replace it")
         _registry[name] = backend_factory
         return backend_factory
 
     return decorator(factory) if factory is not None else decorator
+
+
+def unregister_backend(name: str) -> None:
+    """Forget the backend ``name`` (a plugin's, or a built-in one).
+
+    Raises:
+        ValueError: ``name`` is not registered; the message lists the known names.
+
+    Example:
+        >>> register_backend("sp-copy", lambda: build_backend("sp"), override=True)  # doctest: +ELLIPSIS
+        <function ...>
+        >>> unregister_backend("sp-copy")
+        >>> "sp-copy" in available_backends()
+        False
+    """
+    if name not in _registry:
+        raise ValueError(f"backend {name!r} is not registered; registered backends: {', '.join(sorted(_registry))}")
+    del _registry[name]
 
 
 def _load_entry_points() -> None:
@@ -53,6 +77,16 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if entry_point.name in _registry:
+            try:
+                same = _registry[entry_point.name] is entry_point.load()
+            except Exception:
+                same = False
+            if not same:
+                logger.warning(
+                    "backend plugin %r (%s) ignored: the name is already registered; pick another name",
+                    entry_point.name,
+                    entry_point.value,
+                )
             continue
         try:
             register_backend(entry_point.name, entry_point.load())
@@ -61,20 +95,39 @@ def _load_entry_points() -> None:
 
 
 def reload_entry_points() -> None:
-    """Look for entry-point plugins again (after installing a package at run time)."""
+    """Look for entry-point plugins again (after installing a package at run time).
+
+    Entry points are otherwise read once, at the first lookup (:func:`build_backend` or
+    :func:`available_backends`). Names registered since stay registered.
+
+    Example:
+        >>> reload_entry_points()
+        >>> "sp" in available_backends()
+        True
+    """
     global _entry_points_loaded
+    importlib.invalidate_caches()
     _entry_points_loaded = False
     _load_entry_points()
 
 
 def available_backends() -> List[str]:
-    """Names of every registered backend, built-ins and plugins, sorted."""
+    """Names of every registered backend, built-ins and plugins, sorted.
+
+    Example:
+        >>> {"sp", "sp-amp", "ddp", "ddp-amp"} <= set(available_backends())
+        True
+    """
     _load_entry_points()
     return sorted(_registry)
 
 
 def build_backend(name: str) -> TrainerBackend:
     """A new backend instance for ``name``.
+
+    Example:
+        >>> build_backend("ddp-amp")
+        TrainerBackend(strategy=DDP, precision=MixedPrecision)
 
     Raises:
         ValueError: ``name`` is not registered; the message lists the known names.
@@ -83,7 +136,7 @@ def build_backend(name: str) -> TrainerBackend:
     if name not in _registry:
         raise ValueError(f"unknown backend {name!r}; available backends: {', '.join(available_backends())}")
     backend = _registry[name]()
-    if not isinstance(backend, TrainerBackend):
+    if not isinstance(backend, TrainerBackend):  # a factory function may return anything
         raise TypeError(f"backend factory for {name!r} returned {type(backend).__name__}, not a TrainerBackend")
     return backend
 

@@ -53,7 +53,16 @@ class ResumableSampler(Sampler[int]):
         self.skip = 0
 
     def fast_forward(self, num_indices: int) -> None:
-        """Skip the first ``num_indices`` indices this rank would yield in the current epoch."""
+        """Skip the first ``num_indices`` indices this rank would yield in the current epoch.
+
+        The skipped samples are never loaded: the order is recomputed from seed and epoch and
+        sliced. ``set_epoch`` resets it.
+
+        Raises:
+            ValueError: ``num_indices`` is negative or not an integer.
+        """
+        if isinstance(num_indices, bool) or not isinstance(num_indices, int) or num_indices < 0:
+            raise ValueError(f"fast_forward(num_indices={num_indices!r}) is invalid; allowed: an integer >= 0")
         self.skip = num_indices
 
     def _shard_size(self) -> int:

@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import logging
 import os
+import sys
 from typing import Any, Callable, ContextManager, List, Optional, Sized
 
 import torch
@@ -31,6 +32,12 @@ def select_device(use_gpu: Optional[bool], local_rank: int = 0) -> torch.device:
         raise ValueError("use_gpu=True but torch.cuda.is_available() is False; set use_gpu to None or False")
     if use_gpu is False or not torch.cuda.is_available():
         return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible; launch at most {count} "
+            f"processes per node (torchrun --nproc_per_node={count}) or set use_gpu=False"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -102,6 +109,16 @@ class SingleProcess(Strategy):
         1
     """
 
+    def setup(self, use_gpu: Optional[bool] = None, **options: Any) -> None:
+        super().setup(use_gpu, **options)
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if world_size > 1:
+            logger.warning(
+                "WORLD_SIZE=%d but the backend is single-process: every process trains on its own and "
+                "writes the same files; use a 'ddp' backend under torchrun",
+                world_size,
+            )
+
 
 class DDP(Strategy):
     """``torch.distributed`` data parallel, one process per device, launched by ``torchrun``.
@@ -147,6 +164,11 @@ class DDP(Strategy):
         ddp_timeout: float = 600.0,
         **options: Any,
     ) -> None:
+        if ddp_timeout is not None and not ddp_timeout > 0:
+            raise ValueError(f"ddp_timeout={ddp_timeout!r} is invalid; allowed: seconds > 0")
+        if dist.is_initialized():
+            # A process group made by the caller: use its ranks, leave destroying it to the caller.
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         super().setup(use_gpu)
         if self.find_unused_parameters is None:
             self.find_unused_parameters = find_unused_parameters
@@ -154,6 +176,13 @@ class DDP(Strategy):
             self.timeout_seconds = ddp_timeout
         if not self.distributed or dist.is_initialized():
             return
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise ValueError(
+                f"WORLD_SIZE={self.world_size} but {' and '.join(missing)} not set; launch with "
+                "torchrun (python -m torch.distributed.run), which sets RANK, LOCAL_RANK, WORLD_SIZE, "
+                "MASTER_ADDR and MASTER_PORT"
+            )
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend=backend,
@@ -167,9 +196,21 @@ class DDP(Strategy):
         logger.debug("rank %d/%d joined the %s process group on %s", self.rank, self.world_size, backend, self.device)
 
     def teardown(self) -> None:
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+        """Destroy the process group this strategy created (not one made by the caller).
+
+        Called by the trainer when training raises, and at interpreter exit. While an
+        exception is being handled on a CUDA (NCCL) group, pending collectives are aborted
+        rather than waited for, so a failing rank never blocks on peers that are gone.
+        """
+        if not (self._owns_process_group and dist.is_initialized()):
+            self._owns_process_group = False
+            return
         self._owns_process_group = False
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if sys.exc_info()[0] is not None and self.device.type == "cuda" and abort is not None:
+            abort()
+        else:
+            dist.destroy_process_group()
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if not self.distributed:

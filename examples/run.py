@@ -14,6 +14,7 @@ from digits import DigitsArguments, DigitsClassifier  # noqa: E402
 
 from framework import Trainer  # noqa: E402
 from framework.config import parse_config  # noqa: E402
+from framework.rng import seed_everything  # noqa: E402
 
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.yaml")
@@ -24,10 +25,10 @@ def main(argv=None) -> float:
     if not any(arg == "--config" or arg.startswith("--config=") for arg in argv):
         argv = ["--config", DEFAULT_CONFIG] + argv
     config = parse_config({"model": DigitsArguments}, argv=argv, program="examples/run.py")
+    seed_everything(config.trainer.seed)  # before the model is built, so its initial weights repeat
     trainer = Trainer(module=DigitsClassifier(config.model), args=config.trainer)
     history = trainer.train()
     if trainer.is_main_process:
-        config.save(os.path.join(config.trainer.output_dir, "config.yaml"))
         print(f"final val_accuracy={history.latest('val_accuracy'):.4f}")
     return history.latest("val_accuracy")
 

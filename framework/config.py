@@ -2,20 +2,23 @@
 
 ``--config run.yaml`` loads a file whose top-level keys are section names; ``--SECTION.FIELD
 VALUE`` (or ``--SECTION.FIELD=VALUE``) overrides one field; ``--backend NAME`` is short for
-``--trainer.backend NAME``. Values are checked against the field types, an unknown key is
-an error that suggests the closest valid one, and ``--help`` lists every field with its
-default and description.
+``--trainer.backend NAME``; a boolean field given without a value is set to true. Values are
+checked against the field types, an unknown key is an error that suggests the closest valid
+one, and ``--help`` lists every field with its default and description.
 """
 
 import ast
+import collections.abc
 import dataclasses
 import difflib
+import enum
 import inspect
 import os
+import re
 import sys
 import textwrap
 import typing
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Type
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union  # noqa: F401 (Union: doctest)
 
 import yaml
 
@@ -25,6 +28,11 @@ from framework.checkpoint.arguments import DefaultCheckpointerArguments
 DEFAULT_SECTIONS: Dict[str, Type] = {"trainer": TrainerArguments, "checkpointer": DefaultCheckpointerArguments}
 SHORTCUTS = {"backend": "trainer.backend"}
 _TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~"}
+_NO_VALUE = object()  # a flag given without a value: true for booleans, an error otherwise
+_HIDDEN_FIELDS = {("trainer", "checkpointer_args")}  # set from the checkpointer section
+# id(TrainerArguments) -> the RunConfig parse_config built it in. The entry keeps the
+# arguments alive, so an id is never reused for other arguments.
+_PARSED: Dict[int, "RunConfig"] = {}
 
 
 class ConfigError(ValueError):
@@ -35,7 +43,8 @@ class RunConfig:
     """The parsed sections, as attributes: ``config.trainer``, ``config.checkpointer``, ...
 
     ``config.trainer.checkpointer_args`` is the ``checkpointer`` section, so
-    ``Trainer(module, config.trainer)`` uses both.
+    ``Trainer(module, config.trainer)`` uses both. The trainer saves the whole config (your
+    own sections included) to ``<output_dir>/config.yaml`` when training starts.
 
     Example:
         >>> config = parse_config(argv=["--trainer.epochs", "3", "--backend", "sp"])
@@ -49,13 +58,20 @@ class RunConfig:
             setattr(self, name, value)
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
-        """Every section as a plain dict (the trainer's checkpointer section stands alone)."""
+        """Every section as plain YAML-safe values; the checkpointer section is the trainer's
+        ``checkpointer_args``."""
         result = {}
         for name, section in self.sections.items():
-            values = dataclasses.asdict(section)
             if isinstance(section, TrainerArguments):
-                values.pop("checkpointer_args")
-            result[name] = values
+                values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name != "checkpointer_args"}
+            elif dataclasses.is_dataclass(section):
+                values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
+            else:
+                values = section
+            result[name] = _plain(values)
+        trainer = self.sections.get("trainer")
+        if isinstance(trainer, TrainerArguments) and "checkpointer" in result:
+            result["checkpointer"] = _plain(dataclasses.asdict(trainer.checkpointer_args))
         return result
 
     def save(self, path: str) -> None:
@@ -63,6 +79,21 @@ class RunConfig:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as handle:
             yaml.safe_dump(self.to_dict(), handle, sort_keys=False)
+
+
+def resolved_config(args: TrainerArguments) -> RunConfig:
+    """The :class:`RunConfig` that :func:`parse_config` built ``args`` in (with the user's own
+    sections), or, for arguments built in code, one with the ``trainer`` and ``checkpointer``
+    sections.
+
+    Example:
+        >>> list(resolved_config(TrainerArguments(epochs=2)).to_dict())
+        ['trainer', 'checkpointer']
+    """
+    config = _PARSED.get(id(args))
+    if config is not None and config.sections.get("trainer") is args:
+        return config
+    return RunConfig({"trainer": args, "checkpointer": args.checkpointer_args})
 
 
 def parse_config(
@@ -80,20 +111,45 @@ def parse_config(
 
     Raises:
         ConfigError: unknown keys (with a suggestion), bad values, a missing file.
+        SystemExit: after printing the help for ``-h``/``--help``.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class Model:
+        ...     width: int = 64
+        >>> config = parse_config({"model": Model}, argv=["--model.width=128"])
+        >>> config.model.width
+        128
     """
     classes = dict(DEFAULT_SECTIONS)
-    classes.update(sections or {})
+    for name, cls in (sections or {}).items():
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise TypeError(f"section {name!r} must be a dataclass type, got {cls!r}")
+        if not name.isidentifier():
+            raise ValueError(f"section name {name!r} must be an identifier (letters, digits, underscores)")
+        classes[name] = cls
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(format_help(classes, program))
+        rest = [arg for arg in argv if arg not in ("-h", "--help")]
+        try:
+            current: Optional[RunConfig] = _build(classes, rest) if rest else None
+        except ConfigError:
+            current = None
+        print(format_help(classes, program, current))
         raise SystemExit(0)
+    return _build(classes, argv)
+
+
+def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
     config_path, overrides = _split_arguments(argv)
     values: Dict[str, Dict[str, Any]] = {name: {} for name in classes}
+    fields = _field_index(classes)
     if config_path is not None:
-        for key, value in _flatten(_load_yaml(config_path)).items():
-            _assign(values, classes, key, value, source=config_path, from_text=False)
+        for key, value in _flatten(_load_yaml(config_path), config_path).items():
+            _assign(values, fields, key, value, source=config_path, from_text=False)
     for key, text in overrides:
-        _assign(values, classes, key, text, source="command line", from_text=True)
+        _assign(values, fields, key, text, source="command line", from_text=True)
     built = {}
     for name, cls in classes.items():
         try:
@@ -102,23 +158,28 @@ def parse_config(
             raise ConfigError(f"section {name!r}: {error}") from error
     trainer = built["trainer"]
     trainer.checkpointer_args = built["checkpointer"]
-    return RunConfig(built)
+    config = RunConfig(built)
+    _PARSED[id(trainer)] = config  # lets the trainer save every section
+    return config
 
 
-def _split_arguments(argv: List[str]):
+def _split_arguments(argv: List[str]) -> Tuple[Optional[str], List[Tuple[str, Any]]]:
     config_path, overrides, index = None, [], 0
     while index < len(argv):
         item = argv[index]
-        if not item.startswith("--"):
+        if not item.startswith("--") or item == "--":
             raise ConfigError(f"unexpected argument {item!r}; use --config FILE or --section.field VALUE")
         key, has_value, value = item[2:].partition("=")
         if not has_value:
-            if index + 1 >= len(argv) or argv[index + 1].startswith("--"):
-                raise ConfigError(f"--{key} needs a value")
-            value = argv[index + 1]
-            index += 1
+            if index + 1 < len(argv) and not argv[index + 1].startswith("--"):
+                value = argv[index + 1]
+                index += 1
+            else:
+                value = _NO_VALUE
         index += 1
         if key == "config":
+            if value is _NO_VALUE:
+                raise ConfigError("--config needs a file name")
             config_path = value
         else:
             overrides.append((SHORTCUTS.get(key, key), value))
@@ -126,35 +187,94 @@ def _split_arguments(argv: List[str]):
 
 
 def _load_yaml(path: str) -> Dict[str, Any]:
-    if not os.path.exists(path):
-        raise ConfigError(f"config file {path!r} does not exist")
-    with open(path) as handle:
-        data = yaml.safe_load(handle) or {}
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist" + (" (it is a directory)" if os.path.isdir(path) else ""))
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of sections, got {type(data).__name__}")
     return data
 
 
-def _flatten(data: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
+    """``{section: {field: value}}`` (and top-level shortcuts) as ``{"section.field": value}``."""
     flat = {}
     for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping) and "." not in dotted:
-            flat.update(_flatten(value, dotted + "."))
+        key = str(key)
+        if key in SHORTCUTS:
+            flat[SHORTCUTS[key]] = value
+        elif value is None:
+            continue  # an empty section
+        elif isinstance(value, Mapping):
+            for name, item in value.items():
+                flat[f"{key}.{name}"] = item
         else:
-            flat[SHORTCUTS.get(dotted, dotted)] = value
+            flat[key] = value  # reported as an unknown key with a suggestion
     return flat
 
 
-def _assign(values, classes, key: str, value: Any, source: str, from_text: bool) -> None:
-    fields = {f"{section}.{f.name}": f for section, cls in classes.items() for f in dataclasses.fields(cls)}
-    fields.pop("trainer.checkpointer_args", None)
+def _field_index(classes: Mapping[str, Type]) -> Dict[str, Tuple[str, str, Any]]:
+    """``{"section.field": (section, field, type hint)}`` for every settable field."""
+    index = {}
+    for section, cls in classes.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if (section, f.name) not in _HIDDEN_FIELDS and f.init:
+                index[f"{section}.{f.name}"] = (section, f.name, hints.get(f.name, Any))
+    return index
+
+
+def suggest(key: str, valid: Sequence[str]) -> Optional[str]:
+    """The valid key closest to ``key``: the same field name in another section, else the
+    closest field name within the section (or the closest section), else None.
+
+    Example:
+        >>> suggest("trainer.save_dir", ["trainer.epochs", "checkpointer.save_dir"])
+        'checkpointer.save_dir'
+        >>> suggest("trainer.epoch", ["trainer.epochs", "checkpointer.save_dir"])
+        'trainer.epochs'
+    """
+    section, _, name = key.rpartition(".")
+    fields_of: Dict[str, List[str]] = {}
+    for candidate in valid:
+        candidate_section, _, candidate_name = candidate.rpartition(".")
+        fields_of.setdefault(candidate_section, []).append(candidate_name)
+        if candidate_name == name:
+            return candidate
+    if section in fields_of:
+        sections = [section]
+    elif section:
+        sections = difflib.get_close_matches(section, list(fields_of), n=1, cutoff=0.6)
+    else:
+        sections = list(fields_of)
+    scored = [
+        (
+            1.0 if name and candidate.startswith(name) else difflib.SequenceMatcher(None, name, candidate).ratio(),
+            -len(candidate),  # ties: the shortest
+            f"{candidate_section}.{candidate}",
+        )
+        for candidate_section in sections
+        for candidate in fields_of[candidate_section]
+    ]
+    best = max(scored, default=(0.0, 0, None))
+    return best[2] if best[0] >= 0.7 else None
+
+
+def _assign(values: Dict[str, Dict[str, Any]], fields: Dict[str, Tuple[str, str, Any]], key: str, value: Any, source: str, from_text: bool) -> None:
     if key not in fields:
-        close = difflib.get_close_matches(key, list(fields) + list(SHORTCUTS), n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; valid sections: {sorted(classes)}"
+        close = suggest(key, list(fields))
+        hint = f"; did you mean {close!r}?" if close else f"; valid sections: {sorted({f[0] for f in fields.values()})}"
         raise ConfigError(f"unknown config key {key!r} (from {source}){hint}")
-    section, name = key.split(".", 1)
-    hint = typing.get_type_hints(classes[section])[name]
+    section, name, hint = fields[key]
+    if value is _NO_VALUE:
+        if hint is not bool:
+            raise ConfigError(f"--{key} needs a value ({_type_name(hint)})")
+        value = "true"
     try:
         values[section][name] = convert(value, hint, from_text)
     except (TypeError, ValueError) as error:
@@ -162,75 +282,190 @@ def _assign(values, classes, key: str, value: Any, source: str, from_text: bool)
 
 
 def convert(value: Any, hint: Any, from_text: bool = True) -> Any:
-    """``value`` as type ``hint`` (int, float, bool, str, Optional[...], Union[...])."""
+    """``value`` as type ``hint``: int, float, bool, str, Optional/Union, Literal, Enum,
+    List/Tuple/Dict of those, or a dataclass from a mapping; other hints pass it through.
+
+    ``from_text`` values come from the command line (``"3"``, ``"none"``, ``"[1, 2]"``);
+    others from YAML, already typed.
+
+    Raises:
+        ValueError: the value does not fit, with what was expected.
+
+    Example:
+        >>> convert("0.5", Optional[Union[int, float]]), convert("none", Optional[int])
+        (0.5, None)
+    """
     origin, arguments = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any or hint is object:
+        return value
     if origin is typing.Union:
+        options = [a for a in arguments if a is not type(None)]
         if type(None) in arguments and (value is None or (from_text and str(value).lower() in _NONE)):
             return None
+        if not from_text:  # a typed YAML value keeps its type when the union allows it (1.0 stays a float)
+            for option in options:
+                if isinstance(option, type) and type(value) is option:
+                    return value
         errors = []
-        for option in (a for a in arguments if a is not type(None)):
+        for option in options:
             try:
                 return convert(value, option, from_text)
             except (TypeError, ValueError) as error:
                 errors.append(str(error))
-        raise ValueError("; ".join(errors))
+        raise ValueError(" or ".join(dict.fromkeys(errors)))
+    if value is None:
+        raise ValueError(f"expected {_describe(hint)}, got None")
+    if origin is typing.Literal:
+        for choice in arguments:
+            if value == choice or (from_text and str(value) == str(choice)):
+                return choice
+        raise ValueError(f"expected one of {list(arguments)}, got {value!r}")
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        for member in hint:
+            if value in (member, member.value, member.name) or (from_text and str(value) in (str(member.value), member.name)):
+                return member
+        raise ValueError(f"expected one of {[member.name for member in hint]}, got {value!r}")
     if hint is bool:
         if isinstance(value, bool):
             return value
-        if str(value).lower() in _TRUE | _FALSE:
+        if isinstance(value, (str, int)) and str(value).lower() in _TRUE | _FALSE:
             return str(value).lower() in _TRUE
         raise ValueError(f"expected a boolean (true/false), got {value!r}")
     if hint is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError(f"expected an integer, got {value!r}")
         try:
-            return int(value) if not isinstance(value, str) else int(value.replace("_", ""))
-        except ValueError:
+            return int(value.replace("_", "")) if isinstance(value, str) else int(value)
+        except (TypeError, ValueError):
             raise ValueError(f"expected an integer, got {value!r}") from None
     if hint is float:
         if isinstance(value, bool):
             raise ValueError(f"expected a number, got {value!r}")
         try:
             return float(value)
-        except ValueError:
+        except (TypeError, ValueError):
             raise ValueError(f"expected a number, got {value!r}") from None
     if hint is str:
+        if isinstance(value, (list, dict, tuple, set)):
+            raise ValueError(f"expected a string, got {type(value).__name__} {value!r}")
         return str(value)
-    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
-        return hint(**value)
+    if origin in (list, tuple, set, collections.abc.Sequence) or hint in (list, tuple):
+        items = _parse_text(value) if from_text and isinstance(value, str) else value
+        if isinstance(items, str) and from_text:
+            items = [part.strip() for part in items.split(",") if part.strip()]
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"expected a list, got {value!r}")
+        if origin is tuple and arguments and arguments[-1] is not Ellipsis:
+            if len(arguments) != len(items):
+                raise ValueError(f"expected {len(arguments)} items, got {len(items)}: {value!r}")
+            return tuple(convert(item, item_hint, from_text) for item, item_hint in zip(items, arguments))
+        item_hint = arguments[0] if arguments else Any
+        converted = [convert(item, item_hint, from_text) for item in items]
+        return tuple(converted) if origin is tuple or hint is tuple else set(converted) if origin is set else converted
+    if origin is dict or hint is dict:
+        mapping = _parse_text(value) if from_text and isinstance(value, str) else value
+        if not isinstance(mapping, Mapping):
+            raise ValueError(f"expected a mapping, got {value!r}")
+        key_hint, value_hint = arguments if arguments else (Any, Any)
+        return {convert(k, key_hint, from_text): convert(v, value_hint, from_text) for k, v in mapping.items()}
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, Mapping):
+            return hint(**value)
+        raise ValueError(f"expected a mapping of {hint.__name__} fields, got {value!r}")
     return value
 
 
-def field_docs(cls: Type) -> Dict[str, str]:
-    """The string literal under each dataclass field (its attribute docstring)."""
+def _parse_text(text: str) -> Any:
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    docs, body = {}, tree.body[0].body
-    for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(following, ast.Expr) and isinstance(getattr(following, "value", None), ast.Constant):
-                docs[node.target.id] = " ".join(str(following.value.value).split())
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with only YAML-safe types (tuples as lists, enums as values, others as str)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_plain(item) for item in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    return str(value)
+
+
+def field_docs(cls: Type) -> Dict[str, str]:
+    """The string literal under each dataclass field (its attribute docstring), base classes included."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, following in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+                    docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 
-def format_help(classes: Mapping[str, Type], program: str = "run.py") -> str:
-    """The ``--help`` text: every section and field with type, default and description."""
+def _describe(hint: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}.get(hint, _type_name(hint))
+
+
+def _type_name(hint: Any) -> str:
+    if isinstance(hint, type):
+        return hint.__name__
+    return str(hint).replace("typing.", "").replace("NoneType", "None")
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        try:
+            return repr(f.default_factory())  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - help must not fail on a factory
+            return "(computed)"
+    return "(required)"
+
+
+def _plain_text(text: str) -> str:
+    """Docstring markup (``code``, :class:`~x.Y`) as plain text for the terminal."""
+    text = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+def format_help(classes: Mapping[str, Type], program: str = "run.py", current: Optional[RunConfig] = None) -> str:
+    """The ``--help`` text: every section and field with type, default and description;
+    with ``current`` (the other arguments, parsed), values that differ from the defaults."""
     lines = [
         f"usage: {program} [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--backend NAME]",
         "",
         "Values come from the field defaults, then --config, then the command line.",
+        "A boolean field given without a value is set to true. --backend NAME is --trainer.backend NAME.",
     ]
     for section, cls in classes.items():
-        lines += ["", f"{section}:"]
+        summary = (inspect.getdoc(cls) or "").strip().splitlines()
+        lines += ["", f"{section}:" + (f"  {_plain_text(summary[0])}" if summary else "")]
+        values = current.to_dict().get(section, {}) if current is not None else {}
         docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.name == "checkpointer_args":
+            if (section, f.name) in _HIDDEN_FIELDS or not f.init:
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else "(factory)"
-            type_name = f.type.__name__ if isinstance(f.type, type) else str(f.type).replace("typing.", "")
-            lines.append(f"  --{section}.{f.name} ({type_name}, default {default!r})")
+            default = _default_text(f)
+            now = repr(values[f.name]) if f.name in values else default
+            this_run = f"; this run: {now}" if now != default else ""
+            lines.append(f"  --{section}.{f.name} ({_type_name(hints.get(f.name, f.type))}, default {default}{this_run})")
             if f.name in docs:
-                lines.append(f"      {docs[f.name]}")
+                lines.append(f"      {_plain_text(docs[f.name])}")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Metric history (queryable, checkpointed) and the device-side collector behind ``module.log``."""
 
 import math
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -13,8 +13,8 @@ class MetricHistory:
 
     Example:
         >>> history = MetricHistory()
-        >>> history.add("val_loss", 0.5, step=10, epoch=0)
-        >>> history.add("val_loss", 0.4, step=20, epoch=1)
+        >>> _ = history.add("val_loss", 0.5, step=10, epoch=0)
+        >>> _ = history.add("val_loss", 0.4, step=20, epoch=1)
         >>> history.values("val_loss"), history.latest("val_loss")
         ([0.5, 0.4], 0.4)
     """
@@ -67,7 +67,8 @@ class MetricCollector:
     """Collects ``module.log(...)`` values on the device until the trainer writes them.
 
     Nothing here reads a tensor back to the host: step values are kept as the latest
-    tensor, epoch values as a running sum/max/min plus a count.
+    tensor, epoch values as a running sum/max/min plus a count. A tensor value stays on its
+    device; a Python number becomes a CPU tensor (the trainer moves it before reducing).
 
     Example:
         >>> collector = MetricCollector()
@@ -79,27 +80,54 @@ class MetricCollector:
     def __init__(self) -> None:
         self._step: Dict[str, Tuple[torch.Tensor, str]] = {}
         self._epoch: Dict[str, List[Any]] = {}
+        self._reductions: Dict[str, str] = {}
+        self._on_step: set = set()
 
     def log(
         self, name: str, value: Union[torch.Tensor, float], on_step: bool = False, on_epoch: bool = True, reduce: str = "mean"
     ) -> None:
+        """Keep ``value`` (a tensor with one or more elements, or a number) under ``name``.
+
+        A tensor with several elements is first reduced with ``reduce`` (``mean`` of a
+        per-sample tensor, etc.).
+
+        Raises:
+            ValueError: an empty name, an unknown ``reduce``, a ``reduce`` that differs from
+                an earlier call for the same name, or ``on_step`` and ``on_epoch`` both off.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"log(name={name!r}): the name must be a non-empty string")
         if reduce not in _REDUCTIONS:
             raise ValueError(f"log({name!r}, reduce={reduce!r}): allowed reductions are {_REDUCTIONS}")
-        value = value.detach().float() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        if not (on_step or on_epoch):
+            raise ValueError(f"log({name!r}, on_step=False, on_epoch=False) would record nothing; set one of them")
+        previous = self._reductions.setdefault(name, reduce)
+        if previous != reduce:
+            raise ValueError(f"log({name!r}, reduce={reduce!r}): this metric was logged with reduce={previous!r}")
+        if isinstance(value, torch.Tensor):
+            value = value.detach().float()
+        elif isinstance(value, (int, float)):
+            value = torch.tensor(float(value))
+        else:
+            raise TypeError(f"log({name!r}, value=...): expected a tensor or a number, got {type(value).__name__}")
+        if value.numel() == 0:
+            raise ValueError(f"log({name!r}, value=...): the tensor is empty")
         if value.numel() != 1:
             value = value.mean() if reduce == "mean" else getattr(value, reduce)()
         value = value.reshape(())
         if on_step:
             self._step[name] = (value, reduce)
+            self._on_step.add(name)
         if on_epoch:
             entry = self._epoch.get(name)
             if entry is None:
                 self._epoch[name] = [value.clone(), 1, reduce]
             elif reduce in ("mean", "sum"):
-                entry[0] += value
+                entry[0] += value.to(entry[0].device)
                 entry[1] += 1
             else:
-                entry[0] = torch.maximum(entry[0], value) if reduce == "max" else torch.minimum(entry[0], value)
+                other = value.to(entry[0].device)
+                entry[0] = torch.maximum(entry[0], other) if reduce == "max" else torch.minimum(entry[0], other)
 
     def pop_step(self) -> Dict[str, Tuple[torch.Tensor, str]]:
         """Latest step values (name -> (tensor, reduce)); clears them."""
@@ -107,12 +135,39 @@ class MetricCollector:
         return dict(sorted(values.items()))
 
     def pop_epoch(self) -> Dict[str, Tuple[torch.Tensor, str]]:
-        """Epoch aggregates (name -> (tensor, reduce)); clears them."""
+        """Epoch aggregates (name -> (tensor, reduce)); clears them. A metric also logged
+        ``on_step`` is named ``<name>_epoch`` here (as ``train_loss`` / ``train_loss_epoch``)."""
         aggregates, self._epoch = self._epoch, {}
         result = {}
         for name, (value, count, reduce) in sorted(aggregates.items()):
-            result[name] = (value / count if reduce == "mean" else value, reduce)
+            key = f"{name}_epoch" if name in self._on_step else name
+            result[key] = (value / count if reduce == "mean" else value, reduce)
         return result
+
+
+def reduce_metrics(
+    collected: Dict[str, Tuple[torch.Tensor, str]],
+    all_reduce: Callable[[torch.Tensor, str], torch.Tensor],
+    device: Optional[torch.device] = None,
+) -> Dict[str, float]:
+    """Reduce collected values over ranks and read them back: one ``all_reduce`` and one
+    host sync per reduction kind, however many metrics there are.
+
+    Every rank must pass the same names (log the same metrics on every rank).
+
+    Example:
+        >>> reduce_metrics({"acc": (torch.tensor(0.5), "mean")}, lambda tensor, op: tensor)
+        {'acc': 0.5}
+    """
+    by_reduction: Dict[str, List[str]] = {}
+    for name, (_, reduce) in collected.items():
+        by_reduction.setdefault(reduce, []).append(name)
+    result: Dict[str, float] = {}
+    for reduce, names in sorted(by_reduction.items()):
+        stacked = torch.stack([collected[name][0].to(device) if device is not None else collected[name][0] for name in names])
+        for name, value in zip(names, all_reduce(stacked, reduce).tolist()):
+            result[name] = value
+    return {name: result[name] for name in collected}
 
 
 def is_finite(value: float) -> bool:

@@ -16,7 +16,8 @@ from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.progress import ProgressBar
 from framework.checkpoint import AbstractCheckpointer, Checkpoint, DefaultCheckpointer
 from framework.logging_setup import configure_logging
-from framework.metrics import MetricCollector, MetricHistory
+from framework.config import resolved_config
+from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
 from framework.module import ModuleInterface, StepRunner, as_loader_dict, as_outputs
 from framework.rng import capture_rng_state, restore_rng_state, seed_everything
 from framework.stage import Stage
@@ -165,8 +166,7 @@ class Trainer:
             self.close()
             raise
         finally:
-            for writer in self.writers:
-                writer.close()
+            self._close_writers()
         return self.history
 
     def _train_epoch(self) -> None:
@@ -190,6 +190,12 @@ class Trainer:
         wrapped = self._wrapped
         for batch_index in range(self.batches_finished_in_epoch, micro_batches or 2**62):
             batch = next(batches, None)
+            if micro_batches is None and self.backend.world_size > 1:
+                # A loader without a length may run out on one rank first: all stop together,
+                # or the others would wait in a gradient all-reduce it never joins.
+                has_batch = torch.tensor(float(batch is not None), device=self.device)
+                if not self.backend.all_reduce(has_batch, "min").item():
+                    break
             if batch is None:
                 break
             batch = self.backend.move_to_device(batch)
@@ -314,9 +320,9 @@ class Trainer:
         if self._running_count:
             mean_loss = self.backend.all_reduce(self._running_loss / self._running_count)
             self._record({"train_loss_epoch": float(mean_loss)})
-        self._record(self._reduce_collected(self._metrics.pop_epoch()))
         outputs = _concatenate(kept_outputs) if kept_outputs else ()
         self._call_hook("on_end_train_epoch", self.global_steps_finished, *outputs)
+        self._record(self._reduce_collected(self._metrics.pop_epoch()))  # from steps and the hook above
 
     def _end_epoch(self) -> None:
         """Counters, epoch schedulers, validation and the epoch-end checkpoint."""
@@ -365,8 +371,7 @@ class Trainer:
         try:
             return self._evaluate(stage)
         finally:
-            for writer in self.writers:
-                writer.close()
+            self._close_writers()
 
     def _evaluate(self, stage: Stage, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
         """Run every loader of ``stage`` without gradients; gather outputs in dataset order."""
@@ -422,13 +427,14 @@ class Trainer:
         if world_size == 1:
             return local
         gathered = self.backend.all_gather_object(_to_cpu(local))
+        ranks = [rank for rank, rank_outputs in enumerate(gathered) if rank_outputs]  # fewer samples than ranks
         merged = []
-        for position in range(len(gathered[0])):
-            parts = [rank_outputs[position] for rank_outputs in gathered]
+        for position in range(len(gathered[ranks[0]]) if ranks else 0):
+            parts = [gathered[rank][position] for rank in ranks]
             if not all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in parts):
                 merged.append(parts)
                 continue
-            order = torch.cat([torch.arange(len(part)) * world_size + rank for rank, part in enumerate(parts)])
+            order = torch.cat([torch.arange(len(part)) * world_size + rank for rank, part in zip(ranks, parts)])
             merged.append(torch.cat(parts)[torch.argsort(order)])
         return tuple(merged)
 
@@ -456,7 +462,15 @@ class Trainer:
         self._record(metrics)
 
     def _reduce_collected(self, collected: Dict[str, Tuple[torch.Tensor, str]]) -> Dict[str, float]:
-        return {name: float(self.backend.all_reduce(value, reduce)) for name, (value, reduce) in collected.items()}
+        return reduce_metrics(collected, self.backend.all_reduce, self.device)
+
+    def log_metrics(self, metrics: Dict[str, float]) -> None:
+        """Record host-side values now (history, writers on rank zero, ``on_log_metrics`` hooks).
+
+        For callbacks (``LearningRateMonitor``, ``Timer``); call it on every rank with the
+        same names. Not from ``on_log_metrics`` itself, which it calls.
+        """
+        self._record({name: float(value) for name, value in metrics.items()})
 
     def _record(self, metrics: Dict[str, float]) -> None:
         if not metrics:
@@ -466,6 +480,11 @@ class Trainer:
             for writer in self.writers:
                 writer.write(records)
         self._call_hook("on_log_metrics", self.global_steps_finished, dict(metrics))
+
+    def _close_writers(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        self.writers = []  # a later validate()/test() starts them again from the history
 
     def _start_writers(self) -> None:
         if self.writers or not self.is_main_process or self.args.fast_dev_run:
@@ -514,6 +533,8 @@ class Trainer:
             self._restored = True
             self._restore_checkpoint()
         self._start_writers()
+        if self.is_main_process and not self.args.fast_dev_run:
+            resolved_config(self.args).save(os.path.join(self.args.output_dir, "config.yaml"))
         self._start_time = time.monotonic()
         self.module.train()
 
@@ -559,21 +580,39 @@ class Trainer:
         return getattr(getattr(self.checkpointer, "args", None), name, default)
 
     def save_checkpoint(self, index: Optional[int] = None, force: bool = True) -> Optional[str]:
-        """Save module, trainer and backend state (rank zero writes; every rank waits)."""
+        """Save module, trainer and backend state now (or, with ``force=False``, if ``index`` is due).
+
+        Call it on every rank, at an optimizer-step boundary (e.g. from ``on_end_optimizer_step``)
+        for an exact resume. Every rank builds the state (RNG states are gathered); after a
+        barrier rank zero writes, and its result (where it went, or its error) is broadcast,
+        so every rank waits for the save and every rank raises if it failed.
+        Returns where the checkpoint went, or None when it was not due.
+        """
         trainer_state = self.get_state()  # collective under DDP: every rank builds it
+        step = self.global_steps_finished
         checkpoint = Checkpoint(
             module_state=self.module.get_state(),
             trainer_state=trainer_state,
             backend_state=self.backend.get_state(),
-            global_step=self.global_steps_finished,
+            global_step=step,
             epoch=self.epochs_finished,
-            metrics=self.history.latest_values(),
+            # Only values measured on these weights rank the checkpoint (best-k retention).
+            metrics={record["name"]: record["value"] for record in self.history.records if record["step"] == step},
         )
         self.backend.barrier()
-        location = None
+        location, error = None, None
         if self.is_main_process:
-            location = self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
-        self.backend.barrier()
+            try:
+                location = self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
+            except Exception as caught:  # re-raised below, after the other ranks learn about it
+                error = caught
+        if self.backend.world_size > 1:  # the broadcast is the barrier after the save
+            failure = None if error is None else f"{type(error).__name__}: {error}"
+            location, failure = self.backend.broadcast_object((location, failure))
+            if error is None and failure is not None:
+                raise RuntimeError(f"rank zero failed to save a checkpoint: {failure}")
+        if error is not None:
+            raise error
         return location
 
     def save_model_checkpoint(self) -> Optional[str]:
@@ -586,10 +625,17 @@ class Trainer:
 
     def _restore_checkpoint(self) -> None:
         checkpoint = self.checkpointer.load()
+        if self.backend.world_size > 1:
+            steps = self.backend.all_gather_object(None if checkpoint is None else checkpoint.global_step)
+            if len(set(steps)) > 1:
+                raise RuntimeError(
+                    f"the ranks loaded different checkpoints (global step per rank: {steps}); every rank must "
+                    f"see the same checkpoint directory: use a shared filesystem or URL for save_dir/load_dir"
+                )
         if checkpoint is None:
             return
         self.module.update_state(checkpoint.module_state)
-        if self._checkpointer_args("reset_optimizers_schedulers", False):
+        if self.checkpointer.restores_model_only():  # reset_optimizers_schedulers: weights only
             return
         self.backend.update_state(checkpoint.backend_state)
         self.update_state(checkpoint.trainer_state)
@@ -597,16 +643,24 @@ class Trainer:
     def get_state(self) -> Dict[str, Any]:
         """Counters, optimizers, schedulers, RNG states of every rank, sampler, callbacks, history."""
         running_loss = self._running_loss if self._running_loss is not None else torch.zeros(())
+        rank_local = {  # differs between ranks: gathered, each rank restores its own
+            "rng": capture_rng_state(),
+            "running_loss": running_loss.detach().cpu(),
+            "running_count": self._running_count,
+            "logged_loss": (self._logged_loss if self._logged_loss is not None else running_loss).detach().cpu(),
+            "logged_count": self._logged_count,
+            "logged_values": _collector_state(self._metrics),
+        }
         return {
             "epochs_finished": self.epochs_finished,
             "global_steps_finished": self.global_steps_finished,
             "batches_finished_in_epoch": self.batches_finished_in_epoch,
-            "running_loss": running_loss.detach().cpu(),
-            "running_count": getattr(self, "_running_count", 0),
+            "micro_batch_size": self.train_step_batch_size,
+            "should_stop": self.should_stop,
+            "ranks": self.backend.all_gather_object(rank_local),
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
             "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
-            "rng": self.backend.all_gather_object(capture_rng_state()),
-            "callbacks": [callback.get_state() for callback in self.callbacks],
+            "callbacks": [{"type": type(callback).__name__, "state": callback.get_state()} for callback in self.callbacks],
             "checkpointer": self.checkpointer.get_state(),
             "history": self.history.state_dict(),
             "world_size": self.backend.world_size,
@@ -616,22 +670,54 @@ class Trainer:
         """Restore what :meth:`get_state` returned (optimizers must exist: call inside train)."""
         self.epochs_finished = int(state["epochs_finished"])
         self.global_steps_finished = int(state["global_steps_finished"])
-        self.batches_finished_in_epoch = int(state["batches_finished_in_epoch"])
-        self._running_loss = state["running_loss"].to(self.device)
-        self._running_count = int(state["running_count"])
-        self._logged_loss, self._logged_count = self._running_loss.clone(), self._running_count
+        self.batches_finished_in_epoch = self._resume_position(state)
+        ranks = state["ranks"]
+        if len(ranks) != self.backend.world_size:
+            logger.warning(
+                "checkpoint written by %d ranks, resumed on %d: RNG streams and running losses are taken from "
+                "rank (this rank mod %d)", len(ranks), self.backend.world_size, len(ranks),
+            )
+        mine = ranks[self.backend.rank % len(ranks)]
+        self._running_loss = mine["running_loss"].to(self.device)
+        self._running_count = int(mine["running_count"])
+        self._logged_loss = mine["logged_loss"].to(self.device)
+        self._logged_count = int(mine["logged_count"])
+        _restore_collector(self._metrics, mine["logged_values"], self.device)
+        self._pending_rng = mine["rng"]  # restored around the train loader's iterator (see _train_epoch)
+        self.should_stop = bool(state["should_stop"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
-        rng_states = state["rng"]
-        if len(rng_states) != self.backend.world_size:
-            logger.warning("checkpoint written by %d ranks, resumed on %d: RNG streams differ", len(rng_states), self.backend.world_size)
-        self._pending_rng = rng_states[self.backend.rank % len(rng_states)]
-        for callback, callback_state in zip(self.callbacks, state["callbacks"]):
-            callback.update_state(callback_state)
+        saved_callbacks = list(state["callbacks"])
+        for callback in self.callbacks:  # matched by class name, in order
+            match = next((entry for entry in saved_callbacks if entry["type"] == type(callback).__name__), None)
+            if match is not None:
+                saved_callbacks.remove(match)
+                callback.update_state(match["state"])
         self.checkpointer.update_state(state.get("checkpointer", {}))
         self.history.load_state_dict(state["history"])
+
+    def _resume_position(self, state: Dict[str, Any]) -> int:
+        """Micro-batches of the current epoch this rank has finished, per the checkpoint.
+
+        A checkpoint taken with another world size or micro-batch size is mapped through
+        the number of samples the whole job had consumed in the epoch.
+        """
+        batches = int(state["batches_finished_in_epoch"])
+        world_size, micro_batch = self.backend.world_size, self.train_step_batch_size
+        saved_world_size = int(state.get("world_size", world_size))
+        saved_micro_batch = int(state.get("micro_batch_size", micro_batch))
+        if not batches or (saved_world_size, saved_micro_batch) == (world_size, micro_batch):
+            return batches
+        samples = batches * saved_micro_batch * saved_world_size
+        if samples % (micro_batch * world_size):
+            logger.warning(
+                "checkpoint taken after %d samples of the epoch (%d ranks x %d per micro-batch); resuming with %d ranks x %d "
+                "repeats the samples of the last partial micro-batch", samples, saved_world_size, saved_micro_batch,
+                world_size, micro_batch,
+            )
+        return samples // (micro_batch * world_size)
 
     def close(self) -> None:
         """Wait for background saves and leave the process group."""
@@ -678,6 +764,28 @@ def _detach_nested(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _detach_nested(v) for key, v in value.items()}
     return value
+
+
+def _collector_state(collector: MetricCollector) -> Dict[str, Any]:
+    """A copy of the values ``module.log`` collected since the last write (they are checkpointed
+    so a mid-epoch resume reports the same epoch metrics)."""
+    return {name: _map_tensors(value, lambda tensor: tensor.detach().cpu().clone()) for name, value in vars(collector).items()}
+
+
+def _restore_collector(collector: MetricCollector, state: Dict[str, Any], device: torch.device) -> None:
+    for name, value in state.items():
+        if hasattr(collector, name):
+            setattr(collector, name, _map_tensors(value, lambda tensor: tensor.to(device)))
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {key: _map_tensors(value, fn) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(value, fn) for value in obj)
+    return obj
 
 
 def _detached(outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:

@@ -66,22 +66,42 @@ class CSVWriter(MetricWriter):
 
 
 class TensorBoardWriter(MetricWriter):
-    """Scalars to TensorBoard event files (needs the ``[tensorboard]`` extra).
+    """Scalars to TensorBoard event files in ``log_dir`` (needs the ``[tensorboard]`` extra).
+
+    Each record becomes ``add_scalar(name, value, step)``; ``val_loss/<loader>`` names group
+    into one TensorBoard section. On a resume, events newer than the resumed step (written
+    by the run that was lost) are purged, so each curve has one value per step.
 
     Example:
         >>> writer = TensorBoardWriter("outputs/tensorboard")  # doctest: +SKIP
+        >>> writer.start([])                                   # doctest: +SKIP
+        >>> writer.write([{"epoch": 0, "step": 1, "name": "train_loss", "value": 0.3}])  # doctest: +SKIP
+        >>> writer.close()                                     # doctest: +SKIP
     """
 
     def __init__(self, log_dir: str) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise ImportError("TensorBoard logging needs the extra: pip install 'torch-trainer-framework[tensorboard]'") from error
-        self._summary = SummaryWriter(log_dir=log_dir)
+            raise ImportError(
+                "TensorBoard logging (tensorboard=True) needs the extra: pip install 'torch-trainer-framework[tensorboard]'"
+            ) from error
+        self.log_dir = log_dir
+        self._summary_class = SummaryWriter
+        self._summary = None
+
+    def start(self, records: List[Dict[str, Any]]) -> None:
+        resumed_step = max((int(record["step"]) for record in records), default=None)
+        purge_step = resumed_step + 1 if resumed_step is not None else None
+        self._summary = self._summary_class(log_dir=self.log_dir, purge_step=purge_step)
 
     def write(self, records: Iterable[Dict[str, Any]]) -> None:
+        if self._summary is None:
+            return
         for record in records:
             self._summary.add_scalar(record["name"], record["value"], record["step"])
 
     def close(self) -> None:
-        self._summary.close()
+        if self._summary is not None:
+            self._summary.close()
+        self._summary = None

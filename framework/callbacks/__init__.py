@@ -1,6 +1,25 @@
-"""Callbacks: hook objects run after the module's own hooks, in list order."""
+"""Callbacks: hook objects run after the module's own hooks, in list order.
+
+Example:
+    >>> from framework.callbacks import EarlyStopping, LearningRateMonitor
+    >>> callbacks = [EarlyStopping(monitor="val_loss", patience=3), LearningRateMonitor()]
+"""
 
 from framework.callbacks.base import Callback, StopTraining
+from framework.callbacks.early_stopping import EarlyStopping
+from framework.callbacks.lr_monitor import LearningRateMonitor
+from framework.callbacks.model_summary import ModelSummary
 from framework.callbacks.progress import ProgressBar
+from framework.callbacks.terminate_on_nan import TerminateOnNaN
+from framework.callbacks.timer import Timer
 
-__all__ = ["Callback", "StopTraining", "ProgressBar"]
+__all__ = [
+    "Callback",
+    "StopTraining",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelSummary",
+    "ProgressBar",
+    "TerminateOnNaN",
+    "Timer",
+]

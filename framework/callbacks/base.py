@@ -9,7 +9,26 @@ if TYPE_CHECKING:
 
 
 class StopTraining(Exception):
-    """Raise from any hook to end training cleanly after the current step."""
+    """Raise from any hook to end training cleanly.
+
+    The trainer catches it, calls ``on_end_train`` and, unless ``save_checkpoint`` is
+    False, saves the final checkpoint. Raise it with ``save_checkpoint=False`` when the
+    model must not be kept (for example after a NaN loss).
+
+    Args:
+        message: why training stopped; the trainer logs it.
+        save_checkpoint: whether the trainer saves the final checkpoint.
+
+    Example:
+        >>> class StopAtStep(Callback):
+        ...     def on_end_optimizer_step(self, global_step):
+        ...         if global_step == 100:
+        ...             raise StopTraining("reached step 100")
+    """
+
+    def __init__(self, message: str = "", save_checkpoint: bool = True) -> None:
+        super().__init__(message)
+        self.save_checkpoint = save_checkpoint
 
 
 class Callback:

@@ -30,6 +30,7 @@ class ProgressBar(Callback):
         self._close()
         self._bar = tqdm(
             total=self.trainer.estimated_global_steps_per_epoch,
+            initial=self.trainer.batches_finished_in_epoch // self.trainer.gradient_accumulation,  # mid-epoch resume
             desc=f"epoch {epoch + 1}/{self.trainer.args.epochs}",
             unit="step",
             mininterval=self.refresh_seconds,

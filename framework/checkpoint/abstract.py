@@ -11,7 +11,8 @@ class AbstractCheckpointer(abc.ABC):
 
     The trainer calls :meth:`save` at every epoch end (``index`` = epochs finished) and, with
     ``force=True``, on demand, at step triggers and at the end; :meth:`load` once before
-    training. Only rank zero calls :meth:`save`; every rank calls :meth:`load`.
+    training. Only rank zero calls :meth:`save`, between barriers that every rank waits at;
+    every rank calls :meth:`load` (all must get the same checkpoint).
 
     Example:
         >>> class InMemory(AbstractCheckpointer):
@@ -39,6 +40,11 @@ class AbstractCheckpointer(abc.ABC):
 
     def is_step_save_due(self, global_step: int) -> bool:
         """True when a mid-epoch save is due after optimizer step ``global_step``."""
+        return False
+
+    def restores_model_only(self) -> bool:
+        """True when the checkpoint :meth:`load` returned should restore the model weights only
+        (fresh optimizers, schedulers and counters: fine-tuning from another run)."""
         return False
 
     def wait(self) -> None:

@@ -6,10 +6,15 @@ from typing import Optional
 
 @dataclass
 class DefaultCheckpointerArguments:
-    """Where, when and how many checkpoints :class:`DefaultCheckpointer` keeps.
+    """Where, when and how many checkpoints :class:`DefaultCheckpointer` keeps, and what a run resumes from.
+
+    Resuming: with ``resume="auto"`` a run whose ``save_dir`` holds a checkpoint continues
+    from the newest readable one (so restarting the same command continues a killed run);
+    otherwise ``load_filename``, then the newest readable checkpoint in ``load_dir``; with
+    none of them, or an empty directory, the run starts fresh. See docs/checkpointing.md.
 
     Example:
-        >>> args = DefaultCheckpointerArguments(save_dir="memory://run1", period=1, keep_last_n=2)
+        >>> args = DefaultCheckpointerArguments(save_dir="memory://run1", period=1, keep_last_n=2, resume="auto")
     """
 
     save_dir: Optional[str] = None
@@ -21,34 +26,36 @@ class DefaultCheckpointerArguments:
     save_at_end: bool = True
     """Save when training ends."""
     keep_last_n: Optional[int] = None
-    """Keep only the newest N checkpoints (None: keep all)."""
+    """Keep only the newest N checkpoints, plus the ``keep_best_n`` best (None: keep all)."""
     keep_best_n: int = 0
-    """Also keep the best N checkpoints by ``metric``."""
+    """With ``keep_last_n``, also keep the best N checkpoints by ``metric``."""
     metric: str = "val_loss"
-    """Metric that ranks checkpoints for ``keep_best_n``."""
+    """Metric that ranks checkpoints for ``keep_best_n``: its value recorded at the checkpoint's step."""
     mode: str = "min"
     """``min`` or ``max``: which direction of ``metric`` is better."""
     load_dir: Optional[str] = None
-    """Resume from the newest valid checkpoint in this directory or URL."""
+    """Resume from the newest readable checkpoint in this directory or URL (empty or missing: start fresh)."""
     load_filename: Optional[str] = None
-    """Resume from this checkpoint file (path or URL)."""
+    """Resume from this checkpoint file (path or URL); it must exist and read back."""
     resume: Optional[str] = None
-    """``"auto"``: resume from ``save_dir`` when it holds a checkpoint, else start fresh."""
+    """``"auto"``: resume from ``save_dir`` when it holds a checkpoint (before ``load_filename``/``load_dir``)."""
     reset_optimizers_schedulers: bool = False
-    """On load, restore the model weights only (fresh optimizers, schedulers, counters)."""
+    """Loading from ``load_filename``/``load_dir``, restore the model weights only (fresh optimizers,
+    schedulers, counters); a restart that resumes this run's own ``save_dir`` still restores everything."""
     weights_only: bool = True
-    """Load with ``torch.load(weights_only=True)``: a checkpoint cannot run code."""
+    """Load with ``torch.load(weights_only=True)``: a checkpoint cannot run code. False trusts pickled objects."""
     async_save: bool = False
-    """Copy state to CPU on the training thread, write it on a background thread."""
+    """Copy state to CPU on the training thread, write it on a background thread (one save in flight)."""
 
     def __post_init__(self) -> None:
         for name in ("period", "keep_best_n"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"checkpointer.{name}={getattr(self, name)} is negative; use 0 or more")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"checkpointer.{name}={value!r} is invalid; allowed: an integer >= 0")
         for name in ("save_every_n_steps", "keep_last_n"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"checkpointer.{name}={value}; use a positive integer or None")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"checkpointer.{name}={value!r} is invalid; allowed: None or an integer >= 1")
         if self.mode not in ("min", "max"):
             raise ValueError(f"checkpointer.mode={self.mode!r}; allowed: 'min', 'max'")
         if self.resume not in (None, "auto"):

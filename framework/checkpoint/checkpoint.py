@@ -11,6 +11,11 @@ FORMAT_VERSION = 1
 class Checkpoint:
     """Everything needed to continue a run exactly where it stopped.
 
+    On disk (``to_dict``) it is a plain dict of tensors, numbers, strings, lists and dicts,
+    written with ``torch.save`` and read with ``torch.load(weights_only=True)``:
+    ``{"format": "framework-checkpoint", "version": 1, "global_step", "epoch", "metrics",
+    "module", "trainer", "backend"}``.
+
     Attributes:
         module_state: ``ModuleInterface.get_state()`` (the model weights, plus user extras).
         trainer_state: ``Trainer.get_state()`` (counters, optimizers, schedulers, RNG,
@@ -18,7 +23,8 @@ class Checkpoint:
         backend_state: ``TrainerBackend.get_state()`` (the gradient scaler).
         global_step: optimizer steps finished when it was taken.
         epoch: epochs finished when it was taken.
-        metrics: latest value of each metric (ranks checkpoints for best-k retention).
+        metrics: the metric values recorded at ``global_step``, i.e. measured on these weights
+            (``metric`` among them ranks the checkpoint for best-k retention).
 
     Example:
         >>> ckpt = Checkpoint(module_state={"model": {}}, trainer_state={}, backend_state={}, global_step=10)

@@ -1,8 +1,10 @@
 """DefaultCheckpointer: atomic checkpoint files in any fsspec directory, with retention."""
 
+import collections
 import logging
 import re
-from typing import Any, Dict, List, Optional
+import threading
+from typing import IO, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -15,6 +17,9 @@ from framework.checkpoint.checkpoint import Checkpoint
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+_CHECKPOINT_TEMPORARY = re.compile(r"^\.checkpoint-\d+\.pt\.[0-9a-f]+" + re.escape(storage.TEMPORARY_SUFFIX) + "$")
+STALE_SUFFIX = ".stale"
+"""Checkpoints newer than the one a resumed run writes are renamed ``<name>.stale`` (see ``save``)."""
 
 
 def checkpoint_name(global_step: int) -> str:
@@ -22,24 +27,114 @@ def checkpoint_name(global_step: int) -> str:
     return f"checkpoint-{global_step:09d}.pt"
 
 
-def copy_to_cpu(obj: Any) -> Any:
-    """A copy of ``obj`` whose tensors are fresh CPU tensors (safe to write while training goes on)."""
+def model_name(index: int) -> str:
+    """File name of the model-only export taken after ``index`` optimizer steps."""
+    return f"model-{index:09d}.pt"
+
+
+def copy_to_cpu(obj: Any, _memo: Optional[Dict[int, torch.Tensor]] = None) -> Any:
+    """A copy of ``obj`` whose tensors are fresh CPU tensors (safe to write while training goes on).
+
+    Dicts, lists and tuples are rebuilt, so later in-place changes to the originals do not
+    reach the copy; a tensor that appears twice is copied once.
+
+    Example:
+        >>> weights = torch.ones(2)
+        >>> copy = copy_to_cpu({"w": weights})
+        >>> _ = weights.add_(1)
+        >>> copy["w"]
+        tensor([1., 1.])
+    """
+    memo = {} if _memo is None else _memo
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.detach().to("cpu", copy=True)
+        return memo[id(obj)]
     if isinstance(obj, dict):
-        return {key: copy_to_cpu(value) for key, value in obj.items()}
+        copied = {key: copy_to_cpu(value, memo) for key, value in obj.items()}
+        return collections.OrderedDict(copied) if isinstance(obj, collections.OrderedDict) else copied
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(copy_to_cpu(value, memo) for value in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(copy_to_cpu(value) for value in obj)
+        return type(obj)(copy_to_cpu(value, memo) for value in obj)
     return obj
+
+
+class StagingBuffers:
+    """CPU copies of a state for asynchronous saves, reusing the previous save's buffers.
+
+    Reusing buffers of the same shape and dtype avoids allocating (and page-faulting) the
+    whole checkpoint again at every save; buffers are pinned when the source is on a GPU,
+    so the device-to-host copies run asynchronously and are awaited once. Only safe when
+    the write of the previous copy has finished (the checkpointer waits for it first).
+
+    Example:
+        >>> staging = StagingBuffers()
+        >>> weights = torch.ones(2)
+        >>> first = staging.copy({"w": weights})
+        >>> second = staging.copy({"w": weights * 2})
+        >>> second["w"].data_ptr() == first["w"].data_ptr(), second["w"]
+        (True, tensor([2., 2.]))
+    """
+
+    def __init__(self) -> None:
+        self._buffers: Dict[Tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(self, obj: Any) -> Any:
+        """``obj`` with every tensor copied into a CPU buffer (containers rebuilt)."""
+        used: Dict[Tuple[Any, ...], torch.Tensor] = {}
+        memo: Dict[int, torch.Tensor] = {}
+        result = self._copy(obj, (), used, memo)
+        self._buffers = used
+        if any(buffer.is_pinned() for buffer in used.values()):
+            torch.cuda.synchronize()
+        return result
+
+    def _copy(self, obj: Any, path: Tuple[Any, ...], used: Dict[Tuple[Any, ...], torch.Tensor], memo: Dict[int, torch.Tensor]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) in memo:
+                return memo[id(obj)]
+            source = obj.detach()
+            if source.layout != torch.strided or source.is_quantized or type(source) is not torch.Tensor:
+                copied = source.to("cpu", copy=True)
+            else:
+                copied = self._buffers.get(path)
+                if copied is None or copied.shape != source.shape or copied.dtype != source.dtype or copied.stride() != source.stride():
+                    pin = source.is_cuda and torch.cuda.is_available()
+                    copied = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, pin_memory=pin)
+                copied.copy_(source, non_blocking=source.is_cuda)
+                used[path] = copied
+            memo[id(obj)] = copied
+            return copied
+        if isinstance(obj, dict):
+            copied_dict = {key: self._copy(value, path + (key,), used, memo) for key, value in obj.items()}
+            return collections.OrderedDict(copied_dict) if isinstance(obj, collections.OrderedDict) else copied_dict
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(self._copy(value, path + (index,), used, memo) for index, value in enumerate(obj)))
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(value, path + (index,), used, memo) for index, value in enumerate(obj))
+        return obj
 
 
 class DefaultCheckpointer(AbstractCheckpointer):
     """Writes ``checkpoint-<step>.pt`` files into a local directory or any fsspec URL.
 
-    Every file is written to a temporary name and moved into place, so a crash never
-    leaves a partial file under a checkpoint name. Loading takes the newest file that reads
-    back; a truncated or corrupt one is reported (path and reason) and skipped. Retention
-    keeps the newest ``keep_last_n`` plus the best ``keep_best_n`` by ``metric``.
+    Saving: every file is written to a temporary name and moved into place, so a crash
+    never leaves a partial file under a checkpoint name (see :mod:`framework.checkpoint.storage`).
+    With ``async_save`` the state is copied to CPU memory on the calling thread (into buffers
+    kept from the previous save) and written on a background thread of lowered priority, one
+    save at a time; a failed background write is raised by the next :meth:`save` or by
+    :meth:`wait`.
+
+    Retention runs after each write: checkpoints with a higher step than the one just
+    written come from a run that was later resumed from an older checkpoint, so they are
+    renamed ``<name>.stale`` (never picked for resuming again); then, with ``keep_last_n``
+    set, only the newest ``keep_last_n`` plus the best ``keep_best_n`` by ``metric`` stay.
+    A checkpoint is ranked by the value of ``metric`` recorded at its own step (e.g. the
+    validation at that epoch end); checkpoints without one are never "best".
+
+    Loading (:meth:`load`) takes the newest checkpoint that reads back: a truncated or
+    damaged newer file is reported (path and reason, a logged warning) and skipped.
 
     Args:
         args: where, when and how many (see :class:`DefaultCheckpointerArguments`).
@@ -47,7 +142,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
             ``<output_dir>/checkpoints``).
 
     Example:
-        >>> checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir="memory://doc", load_dir="memory://doc"))
+        >>> checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir="memory://doc", resume="auto"))
         >>> checkpointer.save(Checkpoint({"model": {}}, {}, {}, global_step=5), index=1)
         'memory://doc/checkpoint-000000005.pt'
         >>> checkpointer.load().global_step
@@ -55,35 +150,59 @@ class DefaultCheckpointer(AbstractCheckpointer):
     """
 
     def __init__(self, args: Optional[DefaultCheckpointerArguments] = None, default_dir: str = "outputs/checkpoints") -> None:
+        if args is not None and not isinstance(args, DefaultCheckpointerArguments):
+            raise TypeError(f"args must be DefaultCheckpointerArguments or None, got {type(args).__name__}")
         self.args = args if args is not None else DefaultCheckpointerArguments()
-        self.save_dir = self.args.save_dir or default_dir
+        self.save_dir = str(self.args.save_dir or default_dir)
         self._fs, self._dir = storage.resolve(self.save_dir)
         self._scores: Dict[str, float] = {}
+        self._lock = threading.Lock()  # _scores is changed by the training and the writer thread
         self._writer = BackgroundWriter()
+        self._staging = StagingBuffers()
+        self.loaded_from: Optional[str] = None
+        """URL of the checkpoint the last :meth:`load` returned."""
+        self.resumed_own_run = False
+        """True when the last :meth:`load` took a checkpoint from ``save_dir`` (a restart of this run)."""
 
     # -- saving ---------------------------------------------------------------------
+    def serialize(self, obj: Any, handle: IO[bytes]) -> None:
+        """Write ``obj`` to the open binary ``handle`` (``torch.save``); override to change the encoding."""
+        torch.save(obj, handle)
+
     def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
         if not force and not (self.args.period and index % self.args.period == 0):
             return None
         name = checkpoint_name(checkpoint.global_step)
         score = checkpoint.metrics.get(self.args.metric)
-        if score is not None:
-            self._scores[name] = float(score)
+        self._writer.wait()  # one save in flight at most; raises an earlier background failure
+        with self._lock:
+            if score is not None:
+                self._scores[name] = float(score)
+            else:
+                self._scores.pop(name, None)
         data = checkpoint.to_dict()
         if self.args.async_save:
-            data = copy_to_cpu(data)
-            self._writer.submit(lambda: self._write(name, data))
+            data = self._staging.copy(data)  # on this (the training) thread: training may change the originals next
+            self._writer.submit(lambda: self._write(name, checkpoint.global_step, data))
         else:
-            self._write(name, data)
+            self._write(name, checkpoint.global_step, data)
         return self._url(name)
 
-    def _write(self, name: str, data: Dict[str, Any]) -> None:
-        storage.write_atomically(self._fs, storage.join(self._dir, name), data)
-        self._apply_retention()
+    def _write(self, name: str, global_step: int, data: Dict[str, Any]) -> None:
+        try:
+            storage.write_atomically(self._fs, storage.join(self._dir, name), data, serializer=self.serialize)
+        except BaseException:
+            with self._lock:
+                self._scores.pop(name, None)
+            raise
+        logger.debug("wrote checkpoint %s", self._url(name))
+        self._apply_retention(global_step)
 
     def save_model(self, state: Dict[str, Any], index: int) -> Optional[str]:
-        name = f"model-{index:09d}.pt"
-        storage.write_atomically(self._fs, storage.join(self._dir, name), copy_to_cpu(state))
+        """Write ``state`` (the module's weights) to ``model-<index>.pt``; load it with
+        ``torch.load(path, weights_only=True)``. Model exports are never removed by retention."""
+        name = model_name(index)
+        storage.write_atomically(self._fs, storage.join(self._dir, name), copy_to_cpu(state), serializer=self.serialize)
         return self._url(name)
 
     def is_step_save_due(self, global_step: int) -> bool:
@@ -97,66 +216,129 @@ class DefaultCheckpointer(AbstractCheckpointer):
         return storage.join(self.save_dir, name)
 
     # -- retention ------------------------------------------------------------------
-    def _checkpoint_files(self, directory: str) -> List[str]:
-        """Checkpoint paths in ``directory``, newest (highest step) first."""
+    def _checkpoint_entries(self, fs: Any, directory: str) -> List[Tuple[int, str]]:
+        """``(step, path)`` of the checkpoint files in ``directory``, newest (highest step) first."""
         named = []
-        for path in storage.list_files(self._fs, directory):
+        for path in storage.list_files(fs, directory):
             match = _CHECKPOINT_NAME.match(path.rsplit("/", 1)[-1])
             if match:
                 named.append((int(match.group(1)), path))
-        return [path for _, path in sorted(named, reverse=True)]
+        return sorted(named, reverse=True)
 
-    def _apply_retention(self) -> None:
+    def _checkpoint_files(self, directory: str) -> List[str]:
+        """Checkpoint paths in ``directory`` (of ``save_dir``'s filesystem), newest first."""
+        return [path for _, path in self._checkpoint_entries(self._fs, directory)]
+
+    def _apply_retention(self, written_step: int) -> None:
+        entries = self._checkpoint_entries(self._fs, self._dir)
+        for step, path in entries:
+            if step > written_step:
+                logger.warning(
+                    "checkpoint %s is newer (step %d) than the one this run just wrote (step %d): it comes from a run "
+                    "that was resumed from an older checkpoint; renamed to %s so it is never resumed from",
+                    self._fs.unstrip_protocol(path), step, written_step, path.rsplit("/", 1)[-1] + STALE_SUFFIX,
+                )
+                self._fs.mv(path, path + STALE_SUFFIX)
+        paths = [path for step, path in entries if step <= written_step]
+        for path in storage.list_files(self._fs, self._dir):
+            if _CHECKPOINT_TEMPORARY.match(path.rsplit("/", 1)[-1]):  # left by a process killed while saving
+                self._fs.rm(path)
         if self.args.keep_last_n is None:
             return
-        paths = self._checkpoint_files(self._dir)
         keep = set(paths[: self.args.keep_last_n])
-        if self.args.keep_best_n:
-            scored = [path for path in paths if path.rsplit("/", 1)[-1] in self._scores]
-            scored.sort(key=lambda path: self._scores[path.rsplit("/", 1)[-1]], reverse=self.args.mode == "max")
-            keep.update(scored[: self.args.keep_best_n])
-        for path in paths:
-            if path not in keep:
-                self._fs.rm(path)
-                self._scores.pop(path.rsplit("/", 1)[-1], None)
+        with self._lock:
+            if self.args.keep_best_n:
+                scored = [path for path in paths if _basename(path) in self._scores]
+                scored.sort(key=lambda path: self._scores[_basename(path)], reverse=self.args.mode == "max")
+                keep.update(scored[: self.args.keep_best_n])
+            for path in paths:
+                if path not in keep:
+                    self._fs.rm(path)
+                    self._scores.pop(_basename(path), None)
 
     def best_checkpoint(self) -> Optional[str]:
         """URL of the best checkpoint by ``metric`` among those this run scored, or None."""
-        if not self._scores:
-            return None
-        pick = min if self.args.mode == "min" else max
-        return self._url(pick(self._scores, key=self._scores.__getitem__))
+        with self._lock:
+            if not self._scores:
+                return None
+            pick = min if self.args.mode == "min" else max
+            return self._url(pick(self._scores, key=self._scores.__getitem__))
 
     # -- loading --------------------------------------------------------------------
     def resume_source(self) -> Optional[str]:
-        """The file or directory a run resumes from, per ``load_filename``/``load_dir``/``resume``."""
+        """The file or directory a run resumes from, per ``resume``/``load_filename``/``load_dir``.
+
+        ``resume="auto"`` comes first when ``save_dir`` holds a checkpoint (a restarted run
+        continues itself); otherwise ``load_filename``, then ``load_dir``.
+        """
+        if self.args.resume == "auto" and self._checkpoint_files(self._dir):
+            return self.save_dir
         if self.args.load_filename:
             return self.args.load_filename
         if self.args.load_dir:
             return self.args.load_dir
-        if self.args.resume == "auto":
-            return self.save_dir
         return None
 
     def load(self) -> Optional[Checkpoint]:
-        source = self.resume_source()
-        if source is None:
+        """The checkpoint to resume from, or None to start fresh.
+
+        Order: with ``resume="auto"``, the newest readable checkpoint in ``save_dir``; else
+        ``load_filename``; else the newest readable checkpoint in ``load_dir``.
+
+        Raises:
+            CheckpointRefused: the file holds pickled objects and ``weights_only`` is on.
+            RuntimeError: the directory holds checkpoints but none of them reads back.
+            FileNotFoundError / CorruptCheckpoint: ``load_filename`` is missing or unreadable.
+        """
+        self.loaded_from, self.resumed_own_run = None, False
+        checkpoint: Optional[Checkpoint] = None
+        if self.args.resume == "auto":
+            checkpoint = self._load_latest(self.save_dir)
+        if checkpoint is None and self.args.load_filename:
+            checkpoint = self.read(self.args.load_filename)
+            self.loaded_from = self.args.load_filename
+        elif checkpoint is None and self.args.load_dir:
+            checkpoint = self._load_latest(self.args.load_dir)
+        if checkpoint is None:
+            if self.args.resume == "auto" or self.args.load_dir:
+                logger.info("no checkpoint in %s: starting fresh", self.args.load_dir or self.save_dir)
             return None
-        if self.args.load_filename:
-            return self.read(source)
+        directory = self.loaded_from.rsplit("/", 1)[0] if "/" in self.loaded_from else "."
+        self.resumed_own_run = storage.same_location(directory, self.save_dir)
+        score = checkpoint.metrics.get(self.args.metric)
+        if self.resumed_own_run and score is not None:
+            with self._lock:
+                self._scores[checkpoint_name(checkpoint.global_step)] = float(score)
+        return checkpoint
+
+    def _load_latest(self, source: str) -> Optional[Checkpoint]:
+        """The newest checkpoint in ``source`` that reads back; reports and skips the others."""
         fs, directory = storage.resolve(source)
-        for path in self._checkpoint_files(directory):
+        entries = self._checkpoint_entries(fs, directory)
+        failures = []
+        for _, path in entries:
+            url = fs.unstrip_protocol(path)
             try:
-                return self.read(fs.unstrip_protocol(path))
+                checkpoint = self.read(url)
             except storage.CheckpointRefused:
                 raise
-            except Exception as error:
-                logger.warning("skipping unreadable checkpoint %s: %s", path, error)
-        logger.info("no readable checkpoint in %s: starting fresh", source)
+            except Exception as error:  # truncated, damaged, not a checkpoint of this format
+                logger.warning("checkpoint %s is unreadable and was skipped: %s", url, error)
+                failures.append(f"{url}: {error}")
+                continue
+            if failures:
+                logger.warning("resuming from the newest readable checkpoint %s instead", url)
+            self.loaded_from = url
+            return checkpoint
+        if failures:
+            raise RuntimeError(
+                f"{source} holds {len(failures)} checkpoint(s) and none reads back, so the run cannot resume; "
+                f"move them away to start fresh. " + "; ".join(failures)
+            )
         return None
 
     def read(self, url: str) -> Checkpoint:
-        """Read the checkpoint file at ``url`` (path or fsspec URL)."""
+        """Read and check the checkpoint file at ``url`` (path or fsspec URL)."""
         fs, path = storage.resolve(url)
         if not fs.exists(path):
             raise FileNotFoundError(f"checkpoint file {url!r} does not exist")
@@ -164,9 +346,22 @@ class DefaultCheckpointer(AbstractCheckpointer):
         logger.info("loaded checkpoint %s (epoch %d, step %d)", url, checkpoint.epoch, checkpoint.global_step)
         return checkpoint
 
+    def restores_model_only(self) -> bool:
+        """True with ``reset_optimizers_schedulers``, unless :meth:`load` resumed this run's own checkpoint."""
+        return self.args.reset_optimizers_schedulers and not self.resumed_own_run
+
     # -- state ----------------------------------------------------------------------
     def get_state(self) -> Dict[str, Any]:
-        return {"scores": dict(self._scores)}
+        with self._lock:
+            return {"scores": dict(self._scores), "save_dir": self.save_dir}
 
     def update_state(self, state: Dict[str, Any]) -> None:
-        self._scores.update(state.get("scores", {}))
+        saved_dir = state.get("save_dir")
+        if saved_dir is not None and not storage.same_location(saved_dir, self.save_dir):
+            return  # scores name files of another directory
+        with self._lock:
+            self._scores.update(state.get("scores", {}))
+
+
+def _basename(path: str) -> str:
+    return path.rsplit("/", 1)[-1]

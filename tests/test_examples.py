@@ -1,0 +1,21 @@
+"""The README's main example trains to the promised accuracy with its default config."""
+
+import os
+import runpy
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_digits_example_default_config_reaches_95_percent(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        run = runpy.run_path(os.path.join(ROOT, "examples", "run.py"))
+        accuracy = run["main"](["--trainer.output_dir", str(tmp_path), "--trainer.disable_tqdm", "true"])
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    assert accuracy >= 0.95
+    assert "final val_accuracy=" in capsys.readouterr().out
+    assert (tmp_path / "metrics.csv").exists() and (tmp_path / "config.yaml").exists()
+    # digits.yaml: 10 epochs of 23 steps, a checkpoint every 5 epochs, keep the last 2.
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint-000000115.pt", "checkpoint-000000230.pt"]

@@ -1,0 +1,88 @@
+"""python -m framework.plot: metrics.csv -> a PNG of training and validation curves."""
+
+import os
+import subprocess
+import sys
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from framework.plot import main, panel_of, plot_metrics, read_metrics
+from framework.writers import CSVWriter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_run(directory) -> str:
+    """A metrics.csv as the trainer writes it: 3 epochs of 10 steps, two validation loaders."""
+    records = []
+    for epoch in range(3):
+        for step in range(epoch * 10 + 2, epoch * 10 + 11, 2):
+            records.append({"epoch": epoch, "step": step, "name": "train_loss", "value": 2.0 / step})
+            records.append({"epoch": epoch, "step": step, "name": "lr", "value": 0.1 * (1 - step / 30)})
+        end = epoch * 10 + 10
+        records.append({"epoch": epoch, "step": end, "name": "train_loss_epoch", "value": 2.2 / end})
+        for loader, offset in (("a", 0.05), ("b", 0.1)):
+            records.append({"epoch": epoch, "step": end, "name": f"val_loss/{loader}", "value": 2.5 / end + offset})
+        records.append({"epoch": epoch, "step": end, "name": "val_accuracy", "value": 0.5 + 0.1 * epoch})
+    writer = CSVWriter(os.path.join(directory, "metrics.csv"))
+    writer.start(records)
+    writer.close()
+    return os.path.join(directory, "metrics.csv")
+
+
+def test_panels_group_train_epoch_and_validation_curves_of_one_quantity():
+    names = ["train_loss", "train_loss_epoch", "val_loss", "val_loss/a", "test_loss", "val_accuracy", "lr", "grad_norm"]
+    assert [panel_of(name) for name in names] == ["loss"] * 5 + ["accuracy", "lr", "grad_norm"]
+
+
+def test_read_metrics_returns_each_series_in_order(tmp_path):
+    series = read_metrics(write_run(tmp_path))
+    assert list(series) == ["train_loss", "lr", "train_loss_epoch", "val_loss/a", "val_loss/b", "val_accuracy"]
+    assert series["val_accuracy"] == [(10, 0.5), (20, 0.6), (30, 0.7)]
+    (tmp_path / "bad.csv").write_text("epoch,step,name\n0,1,x\n")
+    with pytest.raises(ValueError, match=r"lacks the columns \['value'\]"):
+        read_metrics(str(tmp_path / "bad.csv"))
+    (tmp_path / "garbled.csv").write_text("epoch,step,name,value\n0,1,x,high\n")
+    with pytest.raises(ValueError, match="line 2: cannot read step='1' value='high'"):
+        read_metrics(str(tmp_path / "garbled.csv"))
+
+
+def test_plot_writes_a_real_png_with_one_panel_per_quantity(tmp_path):
+    write_run(tmp_path)
+    path = plot_metrics(str(tmp_path))
+    assert path == str(tmp_path / "metrics.png")
+    with open(path, "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(path)
+    height, width = image.shape[:2]
+    assert width > 2 * height  # three panels side by side: loss, accuracy, lr
+    assert np.std(image[..., :3]) > 0.05  # curves, not a blank canvas
+
+    only_loss = plot_metrics(str(tmp_path / "metrics.csv"), output=str(tmp_path / "sub" / "loss.png"), panels=["loss"])
+    height, width = matplotlib.image.imread(only_loss).shape[:2]
+    assert width < 1.6 * height  # one panel
+    with pytest.raises(ValueError, match=r"unknown panels \['acc'\]; this run has \['loss', 'accuracy', 'lr'\]"):
+        plot_metrics(str(tmp_path), panels=["acc"])
+
+
+def test_command_line_writes_the_png_and_reports_errors(tmp_path, capsys):
+    write_run(tmp_path)
+    output = str(tmp_path / "curves.png")
+    assert main([str(tmp_path), "-o", output, "--metrics", "loss,accuracy"]) == output
+    assert os.path.getsize(output) > 10_000 and f"wrote {output}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "missing")])
+    assert exit_info.value.code == 2
+    assert f"no metrics file at {str(tmp_path / 'missing' / 'metrics.csv')!r}" in capsys.readouterr().err
+
+
+def test_python_dash_m_framework_plot(tmp_path):
+    write_run(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "framework.plot", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"wrote {tmp_path / 'metrics.png'}"
+    assert matplotlib.image.imread(str(tmp_path / "metrics.png")).ndim == 3

@@ -1,0 +1,156 @@
+"""Exact resume on one process: real training processes are SIGKILLed and restarted.
+
+Each run is ``tests/resume_script.py`` in a fresh Python process (a toy MLP with dropout,
+4 epochs of 8 optimizer steps, 4 micro-batches per step, a checkpoint every 3 steps and at
+every epoch end, ``resume="auto"``). A killed run is restarted with the same command until
+it finishes; its final parameters must be bitwise equal to an uninterrupted run's and its
+metric history identical.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments
+from framework.checkpoint import storage
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "resume_script.py")
+
+# The script's defaults, from which the expected resume points follow.
+N_TRAIN, BATCH, MICRO, SAVE_EVERY = 128, 16, 4, 3
+STEPS_PER_EPOCH = N_TRAIN // BATCH
+ACCUMULATION = BATCH // MICRO
+
+
+def run_script(out: os.PathLike, *arguments: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, SCRIPT, str(out), *arguments], capture_output=True, text=True, timeout=180, env=env
+    )
+
+
+def finish(out: os.PathLike, *arguments: str) -> subprocess.CompletedProcess:
+    process = run_script(out, *arguments)
+    assert process.returncode == 0, f"run failed ({process.returncode}):\n{process.stdout}\n{process.stderr}"
+    assert "FINISHED at step" in process.stdout
+    return process
+
+
+def expect_killed(out: os.PathLike, marker: str, *arguments: str) -> subprocess.CompletedProcess:
+    process = run_script(out, *arguments)
+    assert process.returncode == -signal.SIGKILL, f"expected SIGKILL, got {process.returncode}:\n{process.stdout}\n{process.stderr}"
+    assert marker in process.stdout, process.stdout
+    return process
+
+
+def result(out: os.PathLike) -> Dict[str, Any]:
+    return torch.load(os.path.join(out, "result.pt"), weights_only=True)
+
+
+def checkpoint_files(out: os.PathLike) -> List[str]:
+    return sorted(n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("checkpoint-") and n.endswith(".pt"))
+
+
+def assert_all_checkpoints_load(out: os.PathLike) -> None:
+    """Every file under a checkpoint name is complete and loads (no half file ever has one)."""
+    checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=os.path.join(out, "checkpoints")))
+    names = checkpoint_files(out)
+    assert names, "no checkpoint was written"
+    for name in names:
+        checkpoint = checkpointer.read(os.path.join(out, "checkpoints", name))
+        assert name == f"checkpoint-{checkpoint.global_step:09d}.pt"
+
+
+def resume_step(epoch: int, micro_batch: int) -> int:
+    """The step of the checkpoint a run killed right after (epoch, micro_batch) resumes from."""
+    steps_done = epoch * STEPS_PER_EPOCH + micro_batch // ACCUMULATION  # killed before that cycle's step
+    epoch_start = epoch * STEPS_PER_EPOCH
+    return max(steps_done - steps_done % SAVE_EVERY, epoch_start)
+
+
+def loaded_step(process: subprocess.CompletedProcess) -> int:
+    lines = [line for line in process.stderr.splitlines() if "loaded checkpoint" in line]
+    assert len(lines) == 1, process.stderr
+    return int(lines[0].rsplit("step ", 1)[1].rstrip(")"))
+
+
+def assert_same_run(reference: Dict[str, Any], resumed: Dict[str, Any]) -> None:
+    assert torch.equal(resumed["params"], reference["params"]), (
+        f"parameters differ: max |diff| = {(resumed['params'] - reference['params']).abs().max().item()}"
+    )
+    assert resumed["step"] == reference["step"]
+    assert resumed["history"] == reference["history"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Any]:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    finish(out)
+    return result(out)
+
+
+def test_killed_at_four_points_resumes_bitwise_exact(tmp_path, reference):
+    # (kill point, what it exercises, expected checkpoint step to resume from)
+    kills = [
+        ("mb:1:17", "mid-epoch, mid accumulation cycle", resume_step(1, 17)),
+        ("begin:2", "right after the epoch-end checkpoint", 2 * STEPS_PER_EPOCH),
+        ("mb:2:31", "last micro-batch of an epoch, before its optimizer step", resume_step(2, 31)),
+        ("mb:3:13", "a later epoch, mid-epoch", resume_step(3, 13)),
+    ]
+    assert 17 % ACCUMULATION != ACCUMULATION - 1  # the first kill is inside an accumulation cycle
+    arguments = [argument for spec, _, _ in kills for argument in ("--kill", spec)]
+    previous = None
+    for spec, _, _ in kills:
+        process = expect_killed(tmp_path, f"KILLING at {spec}", *arguments)
+        if previous is not None:
+            assert loaded_step(process) == previous
+        assert_all_checkpoints_load(tmp_path)
+        previous = next(step for s, _, step in kills if s == spec)
+    process = finish(tmp_path, *arguments)
+    assert loaded_step(process) == previous
+    assert_same_run(reference, result(tmp_path))
+    assert_all_checkpoints_load(tmp_path)
+
+
+def test_crash_while_saving_keeps_previous_checkpoint(tmp_path, reference):
+    crash_step = 21
+    expect_killed(tmp_path, "KILLING in the middle of a checkpoint write", "--kill", f"save:{crash_step}")
+    directory = tmp_path / "checkpoints"
+    names = sorted(os.listdir(directory))
+    half_files = [name for name in names if name.endswith(storage.TEMPORARY_SUFFIX)]
+    assert len(half_files) == 1 and half_files[0].startswith(f".checkpoint-{crash_step:09d}.pt."), names
+    assert (directory / half_files[0]).stat().st_size > 0  # it really died mid-write
+    with pytest.raises(storage.CorruptCheckpoint):
+        storage.verify(*storage.resolve(str(directory / half_files[0])))
+    assert f"checkpoint-{crash_step:09d}.pt" not in names
+    assert_all_checkpoints_load(tmp_path)
+    previous = crash_step - SAVE_EVERY
+    assert checkpoint_files(tmp_path)[-1] == f"checkpoint-{previous:09d}.pt"
+
+    process = finish(tmp_path, "--kill", f"save:{crash_step}")
+    assert loaded_step(process) == previous
+    assert_same_run(reference, result(tmp_path))
+    assert not [name for name in os.listdir(directory) if name.endswith(storage.TEMPORARY_SUFFIX)]  # cleaned up
+
+
+def test_truncated_newest_checkpoint_is_reported_and_skipped(tmp_path, reference):
+    expect_killed(tmp_path, "KILLING at mb:2:30", "--kill", "mb:2:30")
+    newest = checkpoint_files(tmp_path)[-1]
+    path = tmp_path / "checkpoints" / newest
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+    process = finish(tmp_path, "--kill", "mb:2:30")
+    warnings = [line for line in process.stderr.splitlines() if "WARNING" in line and "unreadable" in line]
+    assert len(warnings) == 1 and str(path) in warnings[0] and "truncated" in warnings[0], process.stderr
+    newest_step = int(newest[len("checkpoint-") : -len(".pt")])
+    assert loaded_step(process) < newest_step
+    assert loaded_step(process) == max(s for s in range(newest_step) if s % SAVE_EVERY == 0 or s % STEPS_PER_EPOCH == 0)
+    assert_same_run(reference, result(tmp_path))
+    assert_all_checkpoints_load(tmp_path)  # the truncated file was replaced by the resumed run's save

@@ -164,6 +164,12 @@ class DDP(Strategy):
         ddp_timeout: float = 600.0,
         **options: Any,
     ) -> None:
+        """Pick the device and join the process group (when ``WORLD_SIZE`` > 1).
+
+        Raises:
+            ValueError: ``ddp_timeout`` is not positive, or ``WORLD_SIZE`` > 1 without
+                ``MASTER_ADDR``/``MASTER_PORT`` (not launched by torchrun).
+        """
         if ddp_timeout is not None and not ddp_timeout > 0:
             raise ValueError(f"ddp_timeout={ddp_timeout!r} is invalid; allowed: seconds > 0")
         if dist.is_initialized():
@@ -201,13 +207,27 @@ class DDP(Strategy):
         Called by the trainer when training raises, and at interpreter exit. While an
         exception is being handled on a CUDA (NCCL) group, pending collectives are aborted
         rather than waited for, so a failing rank never blocks on peers that are gone.
+
+        Without an error the ranks first meet at a barrier (so it is collective then: call it
+        on every rank). Besides letting no rank leave while another still talks to it, the
+        barrier releases the GIL until every rank is there; gloo's worker threads need the
+        GIL to free the tensors of finished collectives, and a thread still waiting for it
+        when the interpreter shuts down aborts the process ("terminate called without an
+        active exception", seen when a script ends right after e.g. ``all_gather_object``).
         """
         if not (self._owns_process_group and dist.is_initialized()):
             self._owns_process_group = False
             return
+        uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # set once a script died
+        failing = sys.exc_info()[0] is not None or uncaught is not None
+        if not failing:
+            try:
+                self.barrier()
+            except Exception as error:  # a peer that is gone must not stop us from leaving
+                logger.debug("barrier before destroying the process group failed: %s", error)
         self._owns_process_group = False
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if sys.exc_info()[0] is not None and self.device.type == "cuda" and abort is not None:
+        if failing and self.device.type == "cuda" and abort is not None:
             abort()
         else:
             dist.destroy_process_group()

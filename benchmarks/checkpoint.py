@@ -2,19 +2,18 @@
 
 A stack of ``Linear(2048, 2048)`` layers (100.7M parameters, SGD with momentum: a checkpoint
 of ~806 MB) trains with the ``sp`` backend while :class:`DefaultCheckpointer` saves every
-``--every`` optimizer steps into a temporary directory (removed at the end).
+``--interval`` seconds of training into a temporary directory (removed at the end).
 
 - Stall of a save: how long ``Trainer.save_checkpoint`` blocks the training loop (building
   the state, and either writing it or copying it to CPU memory for the background thread).
   Target: async stall <= 25% of sync stall.
-- Time lost per save: the sum, over the steps from a save to the next one, of (step interval
-  - the median step of a run without saves). It adds, for async saves, the slowdown of
-  training while the background thread writes (CPU and memory bandwidth it takes). On a
-  busy shared machine this figure is noisy.
+- Background write: how long the writer thread takes, and the median training step while
+  it runs against the median step of a run without saves (the CPU and memory bandwidth the
+  write takes from training). On a busy shared machine these figures are noisy.
 - Resume time: from ``Trainer.train()`` to the first hook of the resumed run (``on_begin_train``):
   listing, CRC check, ``torch.load(weights_only=True)``, restoring model and optimizer.
 
-    python benchmarks/checkpoint.py [--layers 24] [--every 10] [--saves 3] [--no-write-docs]
+    python benchmarks/checkpoint.py [--layers 24] [--interval 10] [--saves 4] [--no-write-docs]
 
 The figures are written under the "Checkpointing" heading of docs/benchmarks.md.
 """
@@ -28,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from framework import ModuleInterface, Trainer, TrainerArguments  # noqa: E402
-from framework.callbacks import Callback  # noqa: E402
-from framework.checkpoint import DefaultCheckpointerArguments  # noqa: E402
+from framework.callbacks import Callback, StopTraining  # noqa: E402
+from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments  # noqa: E402
 
 WIDTH, BATCH, SAMPLES = 2048, 4, 64
 
@@ -78,115 +77,172 @@ class TimedTrainer(Trainer):
     def save_checkpoint(self, index: Optional[int] = None, force: bool = True) -> Optional[str]:
         started = time.perf_counter()
         location = super().save_checkpoint(index, force)
-        self.save_durations.append(time.perf_counter() - started)
+        if location is not None:  # epoch ends call it too; with period=0 nothing is saved there
+            self.save_durations.append(time.perf_counter() - started)
         return location
 
 
-class StepClock(Callback):
-    """Timestamps every optimizer step (before the trainer's save at that step) and the run's start."""
+class TimedCheckpointer(DefaultCheckpointer):
+    """Records how long each save waited for the previous background write, and when writes ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, *arguments: Any, niceness: Optional[int] = None, **keywords: Any) -> None:
+        super().__init__(*arguments, **keywords)
+        if niceness is not None:
+            self._writer.niceness = niceness
+        self.waits: List[float] = []
+        self.writes: List[Tuple[float, float]] = []
+
+    def save(self, checkpoint: Any, index: int, force: bool = False) -> Optional[str]:
+        if force:  # the benchmark's saves; epoch ends (force=False, period=0) save nothing and do not wait
+            started = time.perf_counter()
+            self.wait()
+            self.waits.append(time.perf_counter() - started)
+        return super().save(checkpoint, index, force)
+
+    def _write(self, name: str, global_step: int, data: Dict[str, Any]) -> None:
+        started = time.perf_counter()
+        super()._write(name, global_step, data)
+        self.writes.append((started, time.perf_counter()))
+
+
+class StepClock(Callback):
+    """Timestamps every optimizer step and the run's start; with ``interval``, also saves.
+
+    A save is requested at the first optimizer step ``interval`` seconds after the previous
+    save returned (so the background write of an async save has time to finish, as with
+    real checkpoint intervals of minutes); after ``saves`` saves and one more interval the
+    run stops.
+    """
+
+    def __init__(self, interval: Optional[float] = None, saves: int = 0) -> None:
+        self.interval, self.saves = interval, saves
         self.times: List[float] = []
         self.begin: Optional[float] = None
+        self.trainer: Any = None
         self.save_durations: List[float] = []
+        self.checkpointer: Any = None
+        self._last = 0.0
+
+    def setup(self, trainer: Any) -> None:
+        self.trainer = trainer
 
     def on_begin_train(self, global_step: int) -> None:
-        self.begin = time.perf_counter()
+        self.begin = self._last = time.perf_counter()
 
     def on_end_optimizer_step(self, global_step: int) -> None:
-        self.times.append(time.perf_counter())
+        now = time.perf_counter()
+        self.times.append(now)
+        if self.interval is None or now - self._last < self.interval:
+            return
+        if len(self.trainer.save_durations) >= self.saves:
+            raise StopTraining("benchmark done", save_checkpoint=False)
+        self.trainer.save_checkpoint()
+        self._last = time.perf_counter()
 
 
-def train(module: LinearStack, directory: str, steps: int, every: Optional[int], async_save: bool = False, **extra: Any) -> StepClock:
-    clock = StepClock()
-    checkpointer = DefaultCheckpointerArguments(
-        save_dir=directory, period=0, save_every_n_steps=every, save_at_end=False, async_save=async_save, **extra
-    )
+def train(
+    module: LinearStack, directory: str, max_steps: int, interval: Optional[float] = None, saves: int = 0,
+    async_save: bool = False, niceness: Optional[int] = None, **extra: Any,
+) -> StepClock:
+    clock = StepClock(interval, saves)
+    checkpointer = DefaultCheckpointerArguments(save_dir=directory, period=0, save_at_end=False, async_save=async_save, **extra)
     args = TrainerArguments(
-        epochs=10**6, max_steps=steps, train_batch_size=BATCH, disable_tqdm=True, log_level="WARNING",
+        epochs=10**6, max_steps=max_steps, train_batch_size=BATCH, disable_tqdm=True, log_level="WARNING",
         log_every_n_steps=10**6, val_every_n_epochs=0, output_dir=os.path.join(directory, "out"), checkpointer_args=checkpointer,
     )
-    trainer = TimedTrainer(module, args, callbacks=[clock])
+    timed = TimedCheckpointer(checkpointer, niceness=niceness)
+    trainer = TimedTrainer(module, args, checkpointer=timed, callbacks=[clock])
     trainer.train()
     trainer.close()
-    clock.save_durations = trainer.save_durations
+    clock.save_durations, clock.checkpointer = trainer.save_durations, timed
     return clock
 
 
-def stalls(clock: StepClock, every: int, baseline: float) -> List[float]:
-    """Extra seconds lost to each save: intervals from the save's step to the next save, minus baseline."""
-    intervals = [b - a for a, b in zip(clock.times, clock.times[1:])]  # intervals[k-1]: from step k to k+1
-    result = []
-    for save_step in range(every, len(clock.times), every):
-        window = intervals[save_step - 1 : save_step - 1 + every]
-        if len(window) == every:
-            result.append(sum(window) - every * baseline)
-    return result
+def steps_during_writes(clock: StepClock) -> List[float]:
+    """Durations of the training steps that ran entirely while a background write was in flight."""
+    durations = []
+    for start, end in zip(clock.times, clock.times[1:]):
+        if any(write_start <= start and end <= write_end for write_start, write_end in clock.checkpointer.writes):
+            durations.append(end - start)
+    return durations
 
 
-def measure(layers: int, every: int, saves: int, directory: str) -> Dict[str, float]:
+def measure(layers: int, interval: float, saves: int, directory: str, niceness: Optional[int] = None) -> Dict[str, Any]:
     module = LinearStack(layers)
     parameters = sum(p.numel() for p in module.parameters())
-    warmup = 3
-    steps = every * (saves + 1)
+    warmup, unlimited = 3, 10**9
 
-    plain = train(module, os.path.join(directory, "plain"), steps=min(steps, warmup + 2 * every), every=None)
+    plain = train(module, os.path.join(directory, "plain"), max_steps=warmup + 12)
     baseline = statistics.median(b - a for a, b in zip(plain.times[warmup:], plain.times[warmup + 1 :]))
 
     sync_dir = os.path.join(directory, "sync")
-    sync = train(module, sync_dir, steps=steps, every=every)
-    size = max(os.path.getsize(os.path.join(sync_dir, name)) for name in os.listdir(sync_dir) if name.endswith(".pt"))
-    shutil.rmtree(os.path.join(directory, "sync", "out"), ignore_errors=True)
+    sync = train(module, sync_dir, max_steps=unlimited, interval=interval, saves=saves)
+    names = sorted(name for name in os.listdir(sync_dir) if name.startswith("checkpoint-"))
+    size = os.path.getsize(os.path.join(sync_dir, names[-1]))
+    last_step = int(names[-1][len("checkpoint-") : -len(".pt")])
+    shutil.rmtree(os.path.join(sync_dir, "out"), ignore_errors=True)
     gc.collect()
 
     async_dir = os.path.join(directory, "async")
-    asynchronous = train(module, async_dir, steps=steps, every=every, async_save=True)
+    asynchronous = train(module, async_dir, max_steps=unlimited, interval=interval, saves=saves, async_save=True, niceness=niceness)
     shutil.rmtree(async_dir, ignore_errors=True)
-    gc.collect()
-
-    # Resume: a fresh module and trainer load the newest synchronous checkpoint.
     del module
     gc.collect()
+
+    # Resume: a fresh module and trainer load the newest synchronous checkpoint (already at max_steps: no training).
     resume_times = []
     for _ in range(2):
         fresh = LinearStack(layers)
         started = time.perf_counter()
-        clock = train(fresh, sync_dir, steps=steps, every=None, resume="auto")  # already at max_steps: no training
+        clock = train(fresh, sync_dir, max_steps=last_step, resume="auto")
         resume_times.append(clock.begin - started)
         del fresh
         gc.collect()
+    later_async = asynchronous.save_durations[1:] or asynchronous.save_durations
     return {
         "parameters": parameters,
         "checkpoint_mb": size / 1e6,
         "step_s": baseline,
         "sync_stall_s": statistics.median(sync.save_durations),
-        "async_stall_s": statistics.median(asynchronous.save_durations),
+        "async_stall_s": statistics.median(later_async),
         "async_first_stall_s": asynchronous.save_durations[0],
-        "sync_lost_s": statistics.median(stalls(sync, every, baseline)),
-        "async_lost_s": statistics.median(stalls(asynchronous, every, baseline)),
+        "async_wait_s": max(asynchronous.checkpointer.waits),
+        "sync_write_s": statistics.median(end - start for start, end in sync.checkpointer.writes),
+        "async_write_s": statistics.median(end - start for start, end in asynchronous.checkpointer.writes),
+        "step_during_write_s": statistics.median(steps_during_writes(asynchronous) or [float("nan")]),
         "resume_s": min(resume_times),
+        "raw": {
+            "sync stalls": sync.save_durations,
+            "async stalls": asynchronous.save_durations,
+            "async waits for the previous write": asynchronous.checkpointer.waits,
+            "async writes": [end - start for start, end in asynchronous.checkpointer.writes],
+            "resume": resume_times,
+        },
     }
 
 
-def report(figures: Dict[str, float], every: int, saves: int) -> str:
+def report(figures: Dict[str, float], interval: float, saves: int) -> str:
     ratio = figures["async_stall_s"] / figures["sync_stall_s"]
     verdict = "meets" if ratio <= 0.25 else "misses"
     return (
-        f"`python benchmarks/checkpoint.py` on {os.cpu_count()} CPU cores (torch {torch.__version__}, local disk, "
-        f"fsync on): a stack of Linear(2048, 2048) layers, {figures['parameters'] / 1e6:.1f}M parameters, SGD with "
-        f"momentum, checkpoint {figures['checkpoint_mb']:.0f} MB; a save every {every} optimizer steps, median of "
-        f"{saves} saves; one training step takes {figures['step_s'] * 1000:.0f} ms.\n\n"
+        f"`python benchmarks/checkpoint.py` on {os.cpu_count()} CPU cores (load average {figures['load'][0]:.1f} "
+        f"before, {figures['load'][1]:.1f} after: other processes shared the machine; torch {torch.__version__}, "
+        f"local disk, fsync on): a stack of Linear(2048, 2048) layers, {figures['parameters'] / 1e6:.1f}M parameters, SGD with "
+        f"momentum, checkpoint {figures['checkpoint_mb']:.0f} MB; a save every {interval:g} s of training, {saves} "
+        f"saves per mode (medians; async: saves after the first, which allocates its buffers); one training step "
+        f"takes {figures['step_s'] * 1000:.0f} ms.\n\n"
         "| measure | seconds |\n|---|---|\n"
         f"| training stall of a synchronous save | {figures['sync_stall_s']:.2f} |\n"
         f"| training stall of an asynchronous save (`async_save=True`) | {figures['async_stall_s']:.2f} "
         f"(first save, allocating its buffers: {figures['async_first_stall_s']:.2f}) |\n"
         f"| async / sync stall | {ratio:.0%} (target <= 25%: {verdict}) |\n"
-        f"| time lost per save, sync (stall + effect on the following steps) | {figures['sync_lost_s']:.2f} |\n"
-        f"| time lost per save, async (stall + slowdown while the background write runs) | {figures['async_lost_s']:.2f} |\n"
+        f"| longest wait of an async save for the previous background write | {figures['async_wait_s']:.2f} |\n"
+        f"| write of one checkpoint: sync / async (background, lowered priority) | {figures['sync_write_s']:.2f} / {figures['async_write_s']:.2f} |\n"
+        f"| training step without saves / while a background write runs | {figures['step_s']:.2f} / {figures['step_during_write_s']:.2f} |\n"
         f"| resume: `train()` to the first hook, newest checkpoint verified and loaded | {figures['resume_s']:.2f} |\n\n"
         "Stall: wall time of `Trainer.save_checkpoint` on the training thread (building the state, then writing "
-        "it, or copying it into reused CPU buffers for the background writer). Time lost: the steps from a save "
-        "to the next one, minus the same number of median steps of a run without saves; noisy on a shared machine.\n"
+        "it, or copying it into reused CPU buffers for the background writer). Step times are medians; on a "
+        "shared machine they move with the load of other processes.\n"
     )
 
 
@@ -207,19 +263,23 @@ def write_docs(section: str) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24, help="Linear(2048, 2048) layers (24: 100.7M parameters)")
-    parser.add_argument("--every", type=int, default=8, help="optimizer steps between saves")
-    parser.add_argument("--saves", type=int, default=3, help="saves measured per mode")
+    parser.add_argument("--interval", type=float, default=10.0, help="seconds of training between saves")
+    parser.add_argument("--saves", type=int, default=4, help="saves measured per mode")
     parser.add_argument("--dir", default=None, help="parent of the temporary directory (default: the system's)")
+    parser.add_argument("--writer-niceness", type=int, default=None, help="override the background writer's niceness")
     parser.add_argument("--no-write-docs", action="store_true", help="print only")
     options = parser.parse_args(argv)
     torch.manual_seed(0)
     directory = tempfile.mkdtemp(prefix="checkpoint-benchmark-", dir=options.dir)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     try:
-        figures = measure(options.layers, options.every, options.saves, directory)
+        figures = measure(options.layers, options.interval, options.saves, directory, options.writer_niceness)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    section = report(figures, options.every, options.saves)
+    figures["load"] = (load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan"))
+    section = report(figures, options.interval, options.saves)
     print(section)
+    print("raw seconds:", {name: [round(value, 3) for value in values] for name, values in figures["raw"].items()})
     if not options.no_write_docs:
         print(f"written to {write_docs(section)}")
 

@@ -105,7 +105,15 @@ class BenchmarkModule(ModuleInterface):
         return F.cross_entropy(self.net(x), y)
 
 
-def framework_loop(data: TensorDataset, epochs: int, global_batch: int, backend: str, output_dir: str, hidden: int = 64) -> float:
+def framework_loop(
+    data: TensorDataset,
+    epochs: int,
+    global_batch: int,
+    backend: str,
+    output_dir: str,
+    hidden: int = 64,
+    log_every_n_steps: int = 50,
+) -> float:
     """The framework at its defaults (progress bar off: torchrun output is not a terminal)."""
     device = device_of_rank()
     start = time.perf_counter()
@@ -117,6 +125,7 @@ def framework_loop(data: TensorDataset, epochs: int, global_batch: int, backend:
         output_dir=output_dir,
         disable_tqdm=True,
         log_level="WARNING",
+        log_every_n_steps=log_every_n_steps,
         checkpointer_args={"period": 0, "save_at_end": False},
     )
     Trainer(BenchmarkModule(data, hidden), args).train()
@@ -178,6 +187,9 @@ def ddp_benchmark(options: argparse.Namespace) -> None:
                     "raw DDP loop": lambda: raw_ddp_loop(data, options.epochs, options.batch),
                     "framework ddp": lambda: framework_loop(
                         data, options.epochs, options.batch * world_size, "ddp", output_dir
+                    ),
+                    "framework, log/epoch": lambda: framework_loop(
+                        data, options.epochs, options.batch * world_size, "ddp", output_dir, log_every_n_steps=10**9
                     ),
                 },
                 options.repeats,

@@ -641,7 +641,9 @@ class Trainer:
         self.update_state(checkpoint.trainer_state)
 
     def get_state(self) -> Dict[str, Any]:
-        """Counters, optimizers, schedulers, RNG states of every rank, sampler, callbacks, history."""
+        """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
+        schedulers, callbacks, history, and per rank: RNG states, running losses, logged values.
+        Collective under DDP (the per-rank part is gathered): call it on every rank."""
         running_loss = self._running_loss if self._running_loss is not None else torch.zeros(())
         rank_local = {  # differs between ranks: gathered, each rank restores its own
             "rng": capture_rng_state(),
@@ -711,13 +713,14 @@ class Trainer:
         if not batches or (saved_world_size, saved_micro_batch) == (world_size, micro_batch):
             return batches
         samples = batches * saved_micro_batch * saved_world_size
-        if samples % (micro_batch * world_size):
+        if samples % (micro_batch * world_size * self.gradient_accumulation):
             logger.warning(
                 "checkpoint taken after %d samples of the epoch (%d ranks x %d per micro-batch); resuming with %d ranks x %d "
-                "repeats the samples of the last partial micro-batch", samples, saved_world_size, saved_micro_batch,
-                world_size, micro_batch,
+                "x %d accumulated micro-batches does not land on an optimizer step: it resumes from the step before "
+                "(those samples are seen twice)", samples, saved_world_size, saved_micro_batch, world_size, micro_batch, self.gradient_accumulation,
             )
-        return samples // (micro_batch * world_size)
+        batches = samples // (micro_batch * world_size)
+        return batches - batches % self.gradient_accumulation
 
     def close(self) -> None:
         """Wait for background saves and leave the process group."""

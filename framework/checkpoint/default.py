@@ -4,6 +4,7 @@ import collections
 import logging
 import re
 import threading
+import time
 from typing import IO, Any, Dict, List, Optional, Tuple
 
 import torch
@@ -174,7 +175,13 @@ class DefaultCheckpointer(AbstractCheckpointer):
             return None
         name = checkpoint_name(checkpoint.global_step)
         score = checkpoint.metrics.get(self.args.metric)
+        busy_since = time.perf_counter() if self._writer.busy else None
         self._writer.wait()  # one save in flight at most; raises an earlier background failure
+        if busy_since is not None and time.perf_counter() - busy_since > 0.5:
+            logger.info(
+                "checkpoint save waited %.1f s for the previous background write; save less often to avoid the wait",
+                time.perf_counter() - busy_since,
+            )
         with self._lock:
             if score is not None:
                 self._scores[name] = float(score)

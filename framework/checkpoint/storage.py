@@ -124,6 +124,27 @@ def _fsync_directory(directory: str) -> None:
         os.close(descriptor)
 
 
+def _open_for_reading(fs: fsspec.AbstractFileSystem, path: str) -> IO[bytes]:
+    """A read handle; on remote filesystems the whole file is fetched once and kept in memory,
+    so checking and loading it do not download it twice."""
+    if isinstance(fs, LocalFileSystem):
+        return fs.open(path, "rb")
+    try:
+        return fs.open(path, "rb", cache_type="all")
+    except TypeError:  # a filesystem whose open() takes no cache options
+        return fs.open(path, "rb")
+
+
+def _check_archive(handle: IO[bytes], size: int) -> None:
+    try:
+        with zipfile.ZipFile(handle) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:
+        raise CorruptCheckpoint(f"{size} bytes, not a complete checkpoint archive (truncated?): {error}") from error
+    if damaged is not None:
+        raise CorruptCheckpoint(f"record {damaged!r} does not match its CRC checksum (the file is damaged)")
+
+
 def verify(fs: fsspec.AbstractFileSystem, path: str) -> None:
     """Check that ``path`` is a complete ``torch.save`` zip archive whose records match their CRCs.
 
@@ -131,26 +152,21 @@ def verify(fs: fsspec.AbstractFileSystem, path: str) -> None:
         CorruptCheckpoint: the file is empty, truncated, not a zip archive, or a record's
             bytes do not match the checksum written with them.
     """
-    with fs.open(path, "rb") as handle:
-        try:
-            with zipfile.ZipFile(handle) as archive:
-                damaged = archive.testzip()
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:
-            size = fs.size(path)
-            raise CorruptCheckpoint(f"{size} bytes, not a complete checkpoint archive (truncated?): {error}") from error
-    if damaged is not None:
-        raise CorruptCheckpoint(f"record {damaged!r} does not match its CRC checksum (the file is damaged)")
+    with _open_for_reading(fs, path) as handle:
+        _check_archive(handle, fs.size(path))
 
 
 def read(fs: fsspec.AbstractFileSystem, path: str, weights_only: bool) -> Any:
-    """``torch.load`` a file written by :func:`write_atomically`, onto the CPU, after :func:`verify`.
+    """``torch.load`` a file written by :func:`write_atomically`, onto the CPU, after checking it
+    like :func:`verify`.
 
     Raises:
         CorruptCheckpoint: the file is truncated or damaged.
         CheckpointRefused: the file needs arbitrary unpickling and ``weights_only`` is on.
     """
-    verify(fs, path)
-    with fs.open(path, "rb") as handle:
+    with _open_for_reading(fs, path) as handle:
+        _check_archive(handle, fs.size(path))
+        handle.seek(0)
         try:
             return torch.load(handle, map_location="cpu", weights_only=weights_only)
         except pickle.UnpicklingError as error:

@@ -9,7 +9,7 @@ Example:
 """
 
 from backends.base import TrainerBackend
-from backends.batch import move_to_device
+from backends.batch import map_tensors, move_to_device
 from backends.precision import FullPrecision, MixedPrecision, Precision
 from backends.registry import available_backends, build_backend, register_backend
 from backends.samplers import ResumableSampler
@@ -27,5 +27,6 @@ __all__ = [
     "available_backends",
     "build_backend",
     "register_backend",
+    "map_tensors",
     "move_to_device",
 ]

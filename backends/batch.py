@@ -1,22 +1,31 @@
-"""Moving nested batches (tensors inside tuples, lists and dicts) to a device."""
+"""Nested batches: applying a function to every tensor inside tuples, lists and dicts."""
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Return ``batch`` with every tensor inside it moved to ``device``.
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` rebuilt with ``fn(tensor)`` in place of every tensor inside it.
 
-    Tuples (named tuples included), lists and dicts are rebuilt; anything else is
-    returned unchanged. Copies from pinned memory to CUDA are asynchronous.
+    Dicts, tuples (named tuples included) and lists are rebuilt; anything else is returned
+    unchanged.
+
+    Example:
+        >>> map_tensors({"x": torch.ones(2), "n": 3}, lambda t: t * 2)
+        {'x': tensor([2., 2.]), 'n': 3}
     """
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=batch.is_pinned())
-    if isinstance(batch, dict):
-        return type(batch)((key, move_to_device(value, device)) for key, value in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(move_to_device(value, device) for value in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(value, device) for value in batch)
-    return batch
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((key, map_tensors(value, fn)) for key, value in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(value, fn) for value in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(value, fn) for value in obj)
+    return obj
+
+
+def move_to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor inside it on ``device`` (asynchronous from pinned memory)."""
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=tensor.is_pinned()))

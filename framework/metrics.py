@@ -129,6 +129,22 @@ class MetricCollector:
                 other = value.to(entry[0].device)
                 entry[0] = torch.maximum(entry[0], other) if reduce == "max" else torch.minimum(entry[0], other)
 
+    def state_dict(self) -> Dict[str, Any]:
+        """Values not yet written (checkpointed so a mid-epoch resume reports the same metrics)."""
+        return {
+            "step": {name: [value.detach().cpu().clone(), reduce] for name, (value, reduce) in self._step.items()},
+            "epoch": {name: [value.detach().cpu().clone(), count, reduce] for name, (value, count, reduce) in self._epoch.items()},
+            "reductions": dict(self._reductions),
+            "on_step": sorted(self._on_step),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any], device: Optional[torch.device] = None) -> None:
+        """Restore what :meth:`state_dict` returned, with tensors on ``device``."""
+        self._step = {name: (value.to(device), reduce) for name, (value, reduce) in state["step"].items()}
+        self._epoch = {name: [value.to(device), count, reduce] for name, (value, count, reduce) in state["epoch"].items()}
+        self._reductions = dict(state["reductions"])
+        self._on_step = set(state["on_step"])
+
     def pop_step(self) -> Dict[str, Tuple[torch.Tensor, str]]:
         """Latest step values (name -> (tensor, reduce)); clears them."""
         values, self._step = self._step, {}

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader
 
-from backends import TrainerBackend, build_backend
+from backends import TrainerBackend, build_backend, map_tensors
 from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.progress import ProgressBar
@@ -211,7 +211,7 @@ class Trainer:
             self._running_loss += loss.detach()
             self._running_count += 1
             if args.collect_train_outputs:
-                kept_outputs.append(_detached(outputs))
+                kept_outputs.append(map_tensors(outputs, torch.Tensor.detach))
             self._call_hook("on_end_train_step", self.global_steps_finished, *outputs)
             if ends_cycle:
                 self.batches_finished_in_epoch = batch_index + 1
@@ -243,7 +243,7 @@ class Trainer:
                     raise TypeError("with tbptt_steps set, train_step(global_step, batch, device, hiddens) must return (loss, hiddens, ...)")
                 self.backend.backward(outputs[0] / (cycle_length * len(chunks)))
             self._call_hook("on_end_backward", step, outputs[0])
-            hiddens = _detach_nested(outputs[1])
+            hiddens = map_tensors(outputs[1], torch.Tensor.detach)
             total_loss = total_loss + outputs[0].detach()
         return (total_loss / len(chunks), *outputs[1:])
 
@@ -397,7 +397,7 @@ class Trainer:
                             break
                         batch = self.backend.move_to_device(batch)
                         step_outputs = self.backend.forward(self._runner, stage, self.global_steps_finished, batch, self.device)
-                        collected.append(_detached(as_outputs(step_outputs, f"{stage.value}_step")))
+                        collected.append(as_outputs(step_outputs, f"{stage.value}_step"))
                 if not record:
                     continue
                 outputs = self._gather_in_dataset_order(collected)
@@ -426,7 +426,7 @@ class Trainer:
         world_size = self.backend.world_size
         if world_size == 1:
             return local
-        gathered = self.backend.all_gather_object(_to_cpu(local))
+        gathered = self.backend.all_gather_object(map_tensors(local, torch.Tensor.cpu))
         ranks = [rank for rank, rank_outputs in enumerate(gathered) if rank_outputs]  # fewer samples than ranks
         merged = []
         for position in range(len(gathered[ranks[0]]) if ranks else 0):
@@ -651,7 +651,7 @@ class Trainer:
             "running_count": self._running_count,
             "logged_loss": (self._logged_loss if self._logged_loss is not None else running_loss).detach().cpu(),
             "logged_count": self._logged_count,
-            "logged_values": _collector_state(self._metrics),
+            "logged_values": self._metrics.state_dict(),
         }
         return {
             "epochs_finished": self.epochs_finished,
@@ -684,7 +684,7 @@ class Trainer:
         self._running_count = int(mine["running_count"])
         self._logged_loss = mine["logged_loss"].to(self.device)
         self._logged_count = int(mine["logged_count"])
-        _restore_collector(self._metrics, mine["logged_values"], self.device)
+        self._metrics.load_state_dict(mine["logged_values"], self.device)
         self._pending_rng = mine["rng"]  # restored around the train loader's iterator (see _train_epoch)
         self.should_stop = bool(state["should_stop"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
@@ -757,46 +757,6 @@ def _chunk_count(parts: Iterable[Optional[List[Any]]]) -> int:
     if len(counts) != 1:
         raise ValueError(f"tbptt_steps needs every tensor with 2+ dims to share dim 1's length; got chunk counts {sorted(counts)}")
     return counts.pop()
-
-
-def _detach_nested(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detach_nested(v) for v in value)
-    if isinstance(value, dict):
-        return {key: _detach_nested(v) for key, v in value.items()}
-    return value
-
-
-def _collector_state(collector: MetricCollector) -> Dict[str, Any]:
-    """A copy of the values ``module.log`` collected since the last write (they are checkpointed
-    so a mid-epoch resume reports the same epoch metrics)."""
-    return {name: _map_tensors(value, lambda tensor: tensor.detach().cpu().clone()) for name, value in vars(collector).items()}
-
-
-def _restore_collector(collector: MetricCollector, state: Dict[str, Any], device: torch.device) -> None:
-    for name, value in state.items():
-        if hasattr(collector, name):
-            setattr(collector, name, _map_tensors(value, lambda tensor: tensor.to(device)))
-
-
-def _map_tensors(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {key: _map_tensors(value, fn) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(value, fn) for value in obj)
-    return obj
-
-
-def _detached(outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs)
-
-
-def _to_cpu(outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    return tuple(o.cpu() if isinstance(o, torch.Tensor) else o for o in outputs)
 
 
 def _concatenate(per_step: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:

@@ -1,7 +1,7 @@
 """ModuleInterface: what a user implements, and the dispatcher that DDP wraps."""
 
 import abc
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader
@@ -124,28 +124,6 @@ class StepRunner(torch.nn.Module):
 
     def forward(self, stage: Stage, global_step: int, batch: Any, device: torch.device, *extra: Any) -> Any:
         return getattr(self.module, self._STEP_METHODS[stage])(global_step, batch, device, *extra)
-
-
-def as_outputs(value: Any, method: str) -> Tuple[Any, ...]:
-    """Normalise what a step returned to a tuple whose first item is the loss.
-
-    A tensor becomes ``(loss,)``, a tuple or list stays as it is, and a dict with ``"loss"``
-    becomes ``(loss, other_items)``.
-
-    Raises:
-        TypeError: anything else, naming ``method`` and the type it returned.
-    """
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        return tuple(value)
-    if isinstance(value, dict) and isinstance(value.get("loss"), torch.Tensor):
-        return (value["loss"], {key: item for key, item in value.items() if key != "loss"})
-    raise TypeError(
-        f"{method} must return a loss tensor, a tuple/list whose first item is the loss tensor, "
-        f"or a dict with a 'loss' tensor; got {type(value).__name__}"
-        + (f" with first item {type(value[0]).__name__}" if isinstance(value, (tuple, list)) and value else "")
-    )
 
 
 def as_loader_dict(loaders: Loaders, method: str) -> Dict[str, DataLoader]:

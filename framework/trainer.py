@@ -18,9 +18,11 @@ from framework.checkpoint import AbstractCheckpointer, Checkpoint, DefaultCheckp
 from framework.logging_setup import configure_logging
 from framework.config import resolved_config
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
-from framework.module import ModuleInterface, StepRunner, as_loader_dict, as_outputs
+from framework.module import ModuleInterface, StepRunner, as_loader_dict
 from framework.rng import capture_rng_state, restore_rng_state, seed_everything
 from framework.stage import Stage
+from framework.step_outputs import as_outputs, concatenate_outputs, interleave_ranks
+from framework.tbptt import split_along_time
 from framework.writers import CSVWriter, MetricWriter, TensorBoardWriter
 
 logger = logging.getLogger("framework")
@@ -320,7 +322,7 @@ class Trainer:
         if self._running_count:
             mean_loss = self.backend.all_reduce(self._running_loss / self._running_count)
             self._record({"train_loss_epoch": float(mean_loss)})
-        outputs = _concatenate(kept_outputs) if kept_outputs else ()
+        outputs = concatenate_outputs(kept_outputs)
         self._call_hook("on_end_train_epoch", self.global_steps_finished, *outputs)
         self._record(self._reduce_collected(self._metrics.pop_epoch()))  # from steps and the hook above
 
@@ -417,26 +419,11 @@ class Trainer:
         return results
 
     def _gather_in_dataset_order(self, collected: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
-        """Concatenate step outputs, then interleave ranks back into dataset order.
-
-        The ordered sampler gives rank ``r`` the samples ``r, r + W, r + 2W, ...``, so
-        position ``j`` of rank ``r``'s outputs is sample ``j * W + r``.
-        """
-        local = _concatenate(collected) if collected else ()
-        world_size = self.backend.world_size
-        if world_size == 1:
+        """This rank's step outputs joined, then every rank's interleaved back into dataset order."""
+        local = concatenate_outputs(collected)
+        if self.backend.world_size == 1:
             return local
-        gathered = self.backend.all_gather_object(map_tensors(local, torch.Tensor.cpu))
-        ranks = [rank for rank, rank_outputs in enumerate(gathered) if rank_outputs]  # fewer samples than ranks
-        merged = []
-        for position in range(len(gathered[ranks[0]]) if ranks else 0):
-            parts = [gathered[rank][position] for rank in ranks]
-            if not all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in parts):
-                merged.append(parts)
-                continue
-            order = torch.cat([torch.arange(len(part)) * world_size + rank for rank, part in zip(ranks, parts)])
-            merged.append(torch.cat(parts)[torch.argsort(order)])
-        return tuple(merged)
+        return interleave_ranks(self.backend.all_gather_object(map_tensors(local, torch.Tensor.cpu)))
 
     def _step_plateau_schedulers(self) -> None:
         plateau = [s for s in self.schedulers if isinstance(s, _PLATEAU)]
@@ -728,47 +715,6 @@ class Trainer:
             self.checkpointer.wait()
         finally:
             self.backend.teardown()
-
-
-def split_along_time(batch: Any, chunk_length: int) -> List[Any]:
-    """Split every tensor of ``batch`` with 2+ dims along dim 1 into chunks of ``chunk_length``.
-
-    Tuples, lists and dicts are split element-wise; other values are repeated in every chunk.
-
-    Example:
-        >>> [c[0].shape[1] for c in split_along_time((torch.zeros(2, 5, 3), torch.zeros(2, 5)), 2)]
-        [2, 2, 1]
-    """
-    if isinstance(batch, torch.Tensor):
-        return list(batch.split(chunk_length, dim=1)) if batch.dim() >= 2 else None
-    if isinstance(batch, dict):
-        parts = {key: split_along_time(value, chunk_length) for key, value in batch.items()}
-        count = _chunk_count(parts.values())
-        return [{key: value[i] if value is not None else batch[key] for key, value in parts.items()} for i in range(count)]
-    if isinstance(batch, (list, tuple)):
-        parts = [split_along_time(value, chunk_length) for value in batch]
-        count = _chunk_count(parts)
-        return [type(batch)(p[i] if p is not None else v for p, v in zip(parts, batch)) for i in range(count)]
-    return None
-
-
-def _chunk_count(parts: Iterable[Optional[List[Any]]]) -> int:
-    counts = {len(p) for p in parts if p is not None}
-    if len(counts) != 1:
-        raise ValueError(f"tbptt_steps needs every tensor with 2+ dims to share dim 1's length; got chunk counts {sorted(counts)}")
-    return counts.pop()
-
-
-def _concatenate(per_step: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
-    """Join each output position over steps: tensors with a batch dim are concatenated,
-    0-d tensors stacked, anything else listed."""
-    joined = []
-    for parts in zip(*per_step):
-        if all(isinstance(p, torch.Tensor) for p in parts):
-            joined.append(torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts]))
-        else:
-            joined.append(list(parts))
-    return tuple(joined)
 
 
 def _batch_limit(limit: Optional[float], loader: Iterable) -> Optional[int]:

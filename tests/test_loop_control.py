@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from toy import ToyModule
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback, StopTraining
-from framework.trainer import split_along_time
+from framework.tbptt import split_along_time
 
 
 def make_args(tmp_path, **overrides):

@@ -2,7 +2,6 @@
 
 import csv
 import math
-import os
 
 import pytest
 import torch

@@ -1,0 +1,68 @@
+"""What steps return: normalising it, joining it over steps, and putting ranks back in order."""
+
+from typing import Any, List, Tuple
+
+import torch
+
+
+def as_outputs(value: Any, method: str) -> Tuple[Any, ...]:
+    """Normalise what a step returned to a tuple whose first item is the loss.
+
+    A tensor becomes ``(loss,)``, a tuple or list stays as it is, and a dict with ``"loss"``
+    becomes ``(loss, other_items)``.
+
+    Raises:
+        TypeError: anything else, naming ``method`` and the type it returned.
+    """
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return tuple(value)
+    if isinstance(value, dict) and isinstance(value.get("loss"), torch.Tensor):
+        return (value["loss"], {key: item for key, item in value.items() if key != "loss"})
+    raise TypeError(
+        f"{method} must return a loss tensor, a tuple/list whose first item is the loss tensor, "
+        f"or a dict with a 'loss' tensor; got {type(value).__name__}"
+        + (f" with first item {type(value[0]).__name__}" if isinstance(value, (tuple, list)) and value else "")
+    )
+
+
+def concatenate_outputs(per_step: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
+    """Join each output position over steps: tensors with a batch dim are concatenated,
+    0-d tensors stacked, anything else listed.
+
+    Example:
+        >>> concatenate_outputs([(torch.ones(2),), (torch.zeros(1),)])
+        (tensor([1., 1., 0.]),)
+    """
+    joined = []
+    for parts in zip(*per_step):
+        if all(isinstance(p, torch.Tensor) for p in parts):
+            joined.append(torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts]))
+        else:
+            joined.append(list(parts))
+    return tuple(joined)
+
+
+def interleave_ranks(per_rank: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
+    """Merge every rank's joined outputs into dataset order.
+
+    The ordered evaluation sampler gives rank ``r`` of ``W`` the samples ``r, r + W, ...``,
+    so item ``j`` of rank ``r`` is sample ``j * W + r``. Outputs without a batch dimension
+    are returned as a list over ranks.
+
+    Example:
+        >>> interleave_ranks([(torch.tensor([0, 2]),), (torch.tensor([1]),)])
+        (tensor([0, 1, 2]),)
+    """
+    world_size = len(per_rank)
+    ranks = [rank for rank, outputs in enumerate(per_rank) if outputs]  # fewer samples than ranks
+    merged: List[Any] = []
+    for position in range(len(per_rank[ranks[0]]) if ranks else 0):
+        parts = [per_rank[rank][position] for rank in ranks]
+        if not all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in parts):
+            merged.append(parts)
+            continue
+        order = torch.cat([torch.arange(len(part)) * world_size + rank for rank, part in zip(ranks, parts)])
+        merged.append(torch.cat(parts)[torch.argsort(order)])
+    return tuple(merged)

@@ -10,7 +10,8 @@ import datetime
 import logging
 import os
 import sys
-from typing import Any, Callable, ContextManager, List, Optional, Sized
+import time
+from typing import Any, ContextManager, List, Optional, Sized
 
 import torch
 import torch.distributed as dist
@@ -209,11 +210,14 @@ class DDP(Strategy):
         rather than waited for, so a failing rank never blocks on peers that are gone.
 
         Without an error the ranks first meet at a barrier (so it is collective then: call it
-        on every rank). Besides letting no rank leave while another still talks to it, the
-        barrier releases the GIL until every rank is there; gloo's worker threads need the
-        GIL to free the tensors of finished collectives, and a thread still waiting for it
-        when the interpreter shuts down aborts the process ("terminate called without an
-        active exception", seen when a script ends right after e.g. ``all_gather_object``).
+        on every rank), so that no rank leaves while another still talks to it.
+
+        On gloo it then sleeps 0.1 s: gloo's worker threads free the tensors of finished
+        collectives, which needs the GIL, and destroying the process group does not stop
+        them (DDP still references it). A worker thread still waiting for the GIL when the
+        interpreter shuts down aborts the process ("terminate called without an active
+        exception", SIGABRT), which happened under CPU contention to scripts that end right
+        after a collective such as ``all_gather_object``. Sleeping hands the GIL over.
         """
         if not (self._owns_process_group and dist.is_initialized()):
             self._owns_process_group = False
@@ -231,6 +235,8 @@ class DDP(Strategy):
             abort()
         else:
             dist.destroy_process_group()
+        if self.device.type == "cpu":
+            time.sleep(0.1)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if not self.distributed:

@@ -191,11 +191,13 @@ class DDP(Strategy):
                 "MASTER_ADDR and MASTER_PORT"
             )
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=self.timeout_seconds)
         dist.init_process_group(
             backend=backend,
+            store=_per_attempt_store(self.world_size, timeout),
             rank=self.rank,
             world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=self.timeout_seconds),
+            timeout=timeout,
             device_id=self.device if self.device.type == "cuda" else None,
         )
         self._owns_process_group = True
@@ -281,3 +283,20 @@ class DDP(Strategy):
                 dist.barrier(device_ids=[self.device.index])
             else:
                 dist.barrier()
+
+
+def _per_attempt_store(world_size: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """Under ``torchrun --max-restarts``, a store namespaced by the restart attempt (else None).
+
+    torchrun shares its rendezvous store with the workers across restarts; without a
+    per-attempt prefix, restarted gloo workers can read addresses that workers of the dead
+    attempt published, and fail or hang while connecting (pytorch/pytorch#135712).
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart is None:
+        return None
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"framework/attempt_{restart}", client)
+

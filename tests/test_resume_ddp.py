@@ -6,9 +6,9 @@ accumulation cycle, then rank 0 (the writer) right after it handed an epoch-end 
 to its background writer. torchrun restarts every worker with the same command each time;
 the run must end with the weights and metrics of an uninterrupted run (within 1e-6).
 
-torchrun is started with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh rendezvous store
-per restart), as docs/checkpointing.md recommends: with the store shared across restarts,
-torch 2.x gloo workers can read a dead worker's address after a restart and fail to connect.
+torchrun runs with its default shared rendezvous store: the DDP strategy namespaces its
+process-group keys by restart attempt, so restarted gloo workers never read a dead worker's
+address (pytorch/pytorch#135712).
 """
 
 import os
@@ -26,7 +26,6 @@ def torchrun(out: os.PathLike, *arguments: str, max_restarts: int = 0) -> subpro
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
     )
     command = [

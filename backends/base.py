@@ -96,7 +96,13 @@ class TrainerBackend:
         return lambda dataset: self.strategy.create_sampler(dataset, shuffle=shuffle, seed=seed)
 
     def move_to_device(self, batch: Any) -> Any:
-        """``batch`` with every tensor inside it on :attr:`device`."""
+        """``batch`` with every tensor inside it on :attr:`device`.
+
+        On a CPU device the batch is returned as it is: loaders yield CPU tensors, and
+        walking the batch would cost more than a small model's step.
+        """
+        if self.device.type == "cpu":
+            return batch
         return move_to_device(batch, self.device)
 
     # -- steps ----------------------------------------------------------------------

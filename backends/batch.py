@@ -27,5 +27,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor inside it on ``device`` (asynchronous from pinned memory)."""
-    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=tensor.is_pinned()))
+    """``batch`` with every tensor inside it on ``device`` (copies to CUDA are asynchronous:
+    truly so from pinned memory, and ordered on the stream either way)."""
+    non_blocking = device.type == "cuda"
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=non_blocking))

@@ -120,10 +120,11 @@ class StepRunner(torch.nn.Module):
 
     def __init__(self, module: ModuleInterface) -> None:
         super().__init__()
-        self.module = module
+        self.module = module  # registered, so wrappers (DDP) see its parameters
+        self.__dict__["_target"] = module  # plain attribute: no nn.Module lookup per step
 
     def forward(self, stage: Stage, global_step: int, batch: Any, device: torch.device, *extra: Any) -> Any:
-        return getattr(self.module, self._STEP_METHODS[stage])(global_step, batch, device, *extra)
+        return getattr(self._target, self._STEP_METHODS[stage])(global_step, batch, device, *extra)
 
 
 def as_loader_dict(loaders: Loaders, method: str) -> Dict[str, DataLoader]:

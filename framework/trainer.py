@@ -108,6 +108,8 @@ class Trainer:
         module.__dict__["_metric_logger"] = self._metrics
         self._running_loss: Optional[torch.Tensor] = None
         self._running_count = 0
+        self._unsummed_losses: List[torch.Tensor] = []
+        self._hooks: Dict[str, List[Any]] = {}
         self._logged_loss: Optional[torch.Tensor] = None
         self._logged_count = 0
         self._pending_rng: Optional[Dict[str, Any]] = None
@@ -210,8 +212,10 @@ class Trainer:
                 skip_sync = not ends_cycle and micro_batches is not None
                 outputs = self._forward_backward(wrapped, batch, cycle_length, skip_sync)
             loss = outputs[0]
-            self._running_loss += loss.detach()
+            self._unsummed_losses.append(loss.detach())  # summed on the device when read
             self._running_count += 1
+            if len(self._unsummed_losses) >= 1024:
+                self._sum_losses()
             if args.collect_train_outputs:
                 kept_outputs.append(map_tensors(outputs, torch.Tensor.detach))
             self._call_hook("on_end_train_step", self.global_steps_finished, *outputs)
@@ -318,7 +322,14 @@ class Trainer:
             flags = self.backend.all_reduce(flags, "max").tolist()
             self.should_stop, self._time_is_up = bool(flags[0]), bool(flags[1])
 
+    def _sum_losses(self) -> None:
+        """Fold the losses kept since the last read into the running sum (one device op)."""
+        if self._unsummed_losses:
+            self._running_loss += torch.stack([loss.float().reshape(()) for loss in self._unsummed_losses]).sum()
+            self._unsummed_losses.clear()
+
     def _end_train_epoch(self, kept_outputs: List[Tuple[Any, ...]]) -> None:
+        self._sum_losses()
         if self._running_count:
             mean_loss = self.backend.all_reduce(self._running_loss / self._running_count)
             self._record({"train_loss_epoch": float(mean_loss)})
@@ -369,6 +380,7 @@ class Trainer:
         return self._standalone_evaluation(Stage.TEST)
 
     def _standalone_evaluation(self, stage: Stage) -> Dict[str, float]:
+        self._prepare_callbacks()
         self._start_writers()
         try:
             return self._evaluate(stage)
@@ -440,6 +452,7 @@ class Trainer:
     def _log_train_metrics(self) -> None:
         """Read the running loss (and logged step values) back from the device and write them."""
         metrics = {}
+        self._sum_losses()
         count = self._running_count - self._logged_count
         if count:
             interval_mean = (self._running_loss - self._logged_loss) / count
@@ -514,8 +527,7 @@ class Trainer:
                     "LBFGS re-evaluates the loss itself: it needs gradient_accumulation == 1 (gpu_batch_size_limit "
                     f"unset or >= the per-process batch, got accumulation {self.gradient_accumulation}) and no tbptt_steps"
                 )
-        for callback in self.callbacks:
-            callback.setup(self)
+        self._prepare_callbacks()
         if not self._restored:
             self._restored = True
             self._restore_checkpoint()
@@ -552,11 +564,20 @@ class Trainer:
         return any(p.grad is not None for p in self._parameters)
 
     # -- hooks ----------------------------------------------------------------------------
-    def _call_hook(self, name: str, *arguments: Any, **keywords: Any) -> None:
-        """The module's hook, then each callback's."""
-        getattr(self.module, name)(*arguments, **keywords)
+    def _prepare_callbacks(self) -> None:
+        """Hand each callback the trainer; look hooks up afresh (callbacks may have changed)."""
         for callback in self.callbacks:
-            getattr(callback, name)(*arguments, **keywords)
+            callback.setup(self)
+        self._hooks = {}
+
+    def _call_hook(self, name: str, *arguments: Any, **keywords: Any) -> None:
+        """The module's hook, then each callback's (only those that override it)."""
+        hooks = self._hooks.get(name)
+        if hooks is None:
+            targets = (self.module, *self.callbacks)
+            hooks = self._hooks[name] = [getattr(target, name) for target in targets if _overrides(target, name)]
+        for hook in hooks:
+            hook(*arguments, **keywords)
 
     # -- checkpoints ----------------------------------------------------------------------
     @property
@@ -631,6 +652,7 @@ class Trainer:
         """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
         schedulers, callbacks, history, and per rank: RNG states, running losses, logged values.
         Collective under DDP (the per-rank part is gathered): call it on every rank."""
+        self._sum_losses()
         running_loss = self._running_loss if self._running_loss is not None else torch.zeros(())
         rank_local = {  # differs between ranks: gathered, each rank restores its own
             "rng": capture_rng_state(),
@@ -721,3 +743,13 @@ def _batch_limit(limit: Optional[float], loader: Iterable) -> Optional[int]:
     if limit is None or isinstance(limit, int):
         return limit
     return max(1, math.floor(limit * len(loader)))
+
+
+def _overrides(target: Any, hook: str) -> bool:
+    """False when ``target``'s ``hook`` is the no-op of ModuleInterface or Callback (skipped)."""
+    if hook in vars(target):
+        return True
+    for base in (ModuleInterface, Callback):
+        if isinstance(target, base):
+            return getattr(type(target), hook) is not getattr(base, hook)
+    return True

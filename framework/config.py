@@ -18,7 +18,7 @@ import re
 import sys
 import textwrap
 import typing
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type, Union  # noqa: F401 (Union: doctest)
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type  # noqa: F401 (Union: doctest)
 
 import yaml
 

@@ -15,6 +15,7 @@ from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.progress import ProgressBar
 from framework.checkpoint import AbstractCheckpointer, Checkpoint, DefaultCheckpointer
+from framework.hooks import TrainingHooks
 from framework.logging_setup import configure_logging
 from framework.config import resolved_config
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
@@ -746,10 +747,8 @@ def _batch_limit(limit: Optional[float], loader: Iterable) -> Optional[int]:
 
 
 def _overrides(target: Any, hook: str) -> bool:
-    """False when ``target``'s ``hook`` is the no-op of ModuleInterface or Callback (skipped)."""
-    if hook in vars(target):
+    """True when ``target`` implements ``hook`` beyond TrainingHooks' no-op (only those are called)."""
+    if hook in getattr(target, "__dict__", {}):
         return True
-    for base in (ModuleInterface, Callback):
-        if isinstance(target, base):
-            return getattr(type(target), hook) is not getattr(base, hook)
-    return True
+    implementation = getattr(type(target), hook, None)
+    return implementation is not None and implementation is not getattr(TrainingHooks, hook)

@@ -292,6 +292,7 @@ def convert(value: Any, hint: Any, from_text: bool = True) -> Any:
         ValueError: the value does not fit, with what was expected.
 
     Example:
+        >>> from typing import Optional, Union
         >>> convert("0.5", Optional[Union[int, float]]), convert("none", Optional[int])
         (0.5, None)
     """

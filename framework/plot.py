@@ -25,7 +25,7 @@ def read_metrics(path: str) -> Series:
         ValueError: a column is missing or a row does not parse (with its line number).
 
     Example:
-        >>> read_metrics("outputs/metrics.csv")["val_loss"]  # doctest: +SKIP
+        read_metrics("outputs/metrics.csv")["val_loss"]
         [(10, 0.52), (20, 0.31)]
     """
     if not os.path.isfile(path):
@@ -92,7 +92,7 @@ def plot_metrics(
         ValueError: no metrics to draw, or an unknown panel name (the known ones are listed).
 
     Example:
-        >>> plot_metrics("outputs/digits")  # doctest: +SKIP
+        plot_metrics("outputs/digits")
         'outputs/digits/metrics.png'
     """
     try:

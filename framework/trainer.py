@@ -48,9 +48,9 @@ class Trainer:
             added unless ``args.disable_tqdm`` or one is given.
 
     Example:
-        >>> trainer = Trainer(module=MyModule(), args=TrainerArguments(epochs=3))  # doctest: +SKIP
-        >>> trainer.train()                                                        # doctest: +SKIP
-        >>> trainer.history.latest("val_loss")                                     # doctest: +SKIP
+        trainer = Trainer(module=MyModule(), args=TrainerArguments(epochs=3))
+        trainer.train()
+        trainer.history.latest("val_loss")
     """
 
     def __init__(

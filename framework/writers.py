@@ -73,10 +73,10 @@ class TensorBoardWriter(MetricWriter):
     by the run that was lost) are purged, so each curve has one value per step.
 
     Example:
-        >>> writer = TensorBoardWriter("outputs/tensorboard")  # doctest: +SKIP
-        >>> writer.start([])                                   # doctest: +SKIP
-        >>> writer.write([{"epoch": 0, "step": 1, "name": "train_loss", "value": 0.3}])  # doctest: +SKIP
-        >>> writer.close()                                     # doctest: +SKIP
+        writer = TensorBoardWriter("outputs/tensorboard")
+        writer.start([])
+        writer.write([{"epoch": 0, "step": 1, "name": "train_loss", "value": 0.3}])
+        writer.close()
     """
 
     def __init__(self, log_dir: str) -> None:

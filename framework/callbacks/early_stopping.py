@@ -34,10 +34,10 @@ class EarlyStopping(Callback):
             never ``monitor`` (a typo), and warn at the end if it was never recorded.
 
     Example:
-        >>> stopper = EarlyStopping(monitor="val_accuracy", mode="max", patience=3)
-        >>> trainer = Trainer(module, args, callbacks=[stopper])  # doctest: +SKIP
-        >>> trainer.train()                                       # doctest: +SKIP
-        >>> stopper.best, stopper.stopped_step                    # doctest: +SKIP
+        stopper = EarlyStopping(monitor="val_accuracy", mode="max", patience=3)
+        trainer = Trainer(module, args, callbacks=[stopper])
+        trainer.train()
+        stopper.best, stopper.stopped_step
     """
 
     def __init__(

@@ -41,9 +41,9 @@ class LearningRateMonitor(Callback):
         prefix: metric name prefix.
 
     Example:
-        >>> trainer = Trainer(module, args, callbacks=[LearningRateMonitor()])  # doctest: +SKIP
-        >>> trainer.train()                                                     # doctest: +SKIP
-        >>> trainer.history.values("lr")                                        # doctest: +SKIP
+        trainer = Trainer(module, args, callbacks=[LearningRateMonitor()])
+        trainer.train()
+        trainer.history.values("lr")
     """
 
     def __init__(self, interval: str = "step", prefix: str = "lr") -> None:

@@ -71,9 +71,9 @@ class ModelSummary(Callback):
     start of training, on rank zero. The text is kept in :attr:`summary`.
 
     Example:
-        >>> trainer = Trainer(module, args, callbacks=[ModelSummary()])  # doctest: +SKIP
-        >>> trainer.train()                                             # doctest: +SKIP
-        >>> print(trainer.callbacks[-1].summary)                        # doctest: +SKIP
+        trainer = Trainer(module, args, callbacks=[ModelSummary()])
+        trainer.train()
+        print(trainer.callbacks[-1].summary)
     """
 
     def __init__(self) -> None:

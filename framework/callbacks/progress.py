@@ -14,7 +14,7 @@ class ProgressBar(Callback):
     the last ``log_every_n_steps`` point, so the bar never forces a device sync.
 
     Example:
-        >>> trainer = Trainer(module, args, callbacks=[ProgressBar(refresh_seconds=1.0)])  # doctest: +SKIP
+        trainer = Trainer(module, args, callbacks=[ProgressBar(refresh_seconds=1.0)])
     """
 
     def __init__(self, refresh_seconds: float = 0.5) -> None:

@@ -21,9 +21,9 @@ class TerminateOnNaN(Callback):
     callback is used.
 
     Example:
-        >>> trainer = Trainer(module, args, callbacks=[TerminateOnNaN()])  # doctest: +SKIP
-        >>> trainer.train()                                               # doctest: +SKIP
-        >>> trainer.callbacks[-1].stopped_step                            # doctest: +SKIP
+        trainer = Trainer(module, args, callbacks=[TerminateOnNaN()])
+        trainer.train()
+        trainer.callbacks[-1].stopped_step
     """
 
     def __init__(self) -> None:

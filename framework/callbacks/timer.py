@@ -18,10 +18,10 @@ class Timer(Callback):
         prefix: prepended to the metric names (e.g. ``"time/"``).
 
     Example:
-        >>> timer = Timer()
-        >>> trainer = Trainer(module, args, callbacks=[timer])  # doctest: +SKIP
-        >>> trainer.train()                                     # doctest: +SKIP
-        >>> timer.total_seconds, timer.epoch_seconds            # doctest: +SKIP
+        timer = Timer()
+        trainer = Trainer(module, args, callbacks=[timer])
+        trainer.train()
+        timer.total_seconds, timer.epoch_seconds
     """
 
     def __init__(self, prefix: str = "") -> None:

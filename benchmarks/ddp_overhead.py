@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from framework import ModuleInterface, Trainer, TrainerArguments  # noqa: E402
+from framework import Trainer, TrainerArguments  # noqa: E402
+from overhead import BenchmarkModule, make_net  # noqa: E402  (this folder is on sys.path)
 
 FEATURES, CLASSES = 32, 10
 
@@ -37,17 +38,6 @@ def make_data(samples: int, features: int = FEATURES) -> TensorDataset:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(samples, features, generator=generator)
     return TensorDataset(x, (x @ torch.randn(features, CLASSES, generator=generator)).argmax(1))
-
-
-def make_net(features: int = FEATURES, hidden: int = 64) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(features, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, CLASSES),
-    )
 
 
 def device_of_rank() -> torch.device:
@@ -86,23 +76,6 @@ def raw_ddp_loop(data: TensorDataset, epochs: int, batch_per_rank: int) -> float
         float(running) / (count * dist.get_world_size())
     synchronize(device)
     return time.perf_counter() - start
-
-
-class BenchmarkModule(ModuleInterface):
-    def __init__(self, data: TensorDataset, hidden: int = 64) -> None:
-        super().__init__()
-        self.net = make_net(data.tensors[0].shape[1], hidden)
-        self.data = data
-
-    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
-        return [torch.optim.AdamW(self.parameters(), lr=1e-3)], []
-
-    def get_train_dataloader(self, sampler, batch_size):
-        return DataLoader(self.data, batch_size=batch_size, sampler=sampler(self.data))
-
-    def train_step(self, global_step, batch, device):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
 
 
 def framework_loop(

@@ -33,10 +33,15 @@ def make_data() -> TensorDataset:
     return TensorDataset(x, (x @ torch.randn(FEATURES, CLASSES, generator=generator)).argmax(1))
 
 
-def make_net() -> torch.nn.Module:
+def make_net(features: int = FEATURES, hidden: int = 64) -> torch.nn.Module:
+    """The benchmark MLP (features-hidden-hidden-10), with fixed initial weights."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES)
+        torch.nn.Linear(features, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, CLASSES),
     )
 
 
@@ -58,9 +63,11 @@ def raw_loop(data: TensorDataset, epochs: int) -> float:
 
 
 class BenchmarkModule(ModuleInterface):
-    def __init__(self, data: TensorDataset) -> None:
+    """The benchmark MLP as a framework module (shared with ``ddp_overhead.py``)."""
+
+    def __init__(self, data: TensorDataset, hidden: int = 64) -> None:
         super().__init__()
-        self.net = make_net()
+        self.net = make_net(data.tensors[0].shape[1], hidden)
         self.data = data
 
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):

@@ -306,7 +306,6 @@ class Trainer:
         at_log_point = step % args.log_every_n_steps == 0
         if at_log_point:
             self._log_train_metrics()
-            self._agree_on_stopping()
         if args.val_every_n_steps and step % args.val_every_n_steps == 0:
             self._evaluate(Stage.VAL)
         if self.checkpointer_enabled and self.checkpointer.is_step_save_due(step):
@@ -451,14 +450,16 @@ class Trainer:
 
     # -- metrics --------------------------------------------------------------------------
     def _log_train_metrics(self) -> None:
-        """Read the running loss (and logged step values) back from the device and write them."""
-        metrics = {}
+        """Read the loss since the last log point (and logged step values) back from the device,
+        with the ranks' stop requests riding on the same all-reduce, and write them."""
         self._sum_losses()
         count = self._running_count - self._logged_count
-        if count:
-            interval_mean = (self._running_loss - self._logged_loss) / count
-            metrics["train_loss"] = float(self.backend.all_reduce(interval_mean))
-            self._logged_loss, self._logged_count = self._running_loss.clone(), self._running_count
+        interval_mean = (self._running_loss - self._logged_loss) / max(count, 1)
+        flags = torch.tensor([float(self.should_stop), float(self._time_is_up)], device=self.device)
+        loss, stop, time_is_up = self.backend.all_reduce(torch.cat([interval_mean.float().reshape(1), flags])).tolist()
+        self.should_stop, self._time_is_up = stop > 0, time_is_up > 0  # any rank asked
+        self._logged_loss, self._logged_count = self._running_loss.clone(), self._running_count
+        metrics = {"train_loss": loss} if count else {}
         metrics.update(self._reduce_collected(self._metrics.pop_step()))
         self._record(metrics)
 

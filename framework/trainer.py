@@ -164,7 +164,7 @@ class Trainer:
                 logger.info("training stopped: %s", stop)
                 save_final = getattr(stop, "save_checkpoint", True)
             self._call_hook("on_end_train", self.global_steps_finished)
-            if save_final and self.checkpointer_enabled and self._checkpointer_args("save_at_end", True):
+            if save_final and self.checkpointer_enabled and self.checkpointer.saves_at_end():
                 self.save_checkpoint()
             self.checkpointer.wait()
         except BaseException:
@@ -290,9 +290,7 @@ class Trainer:
             self._clip_gradients()
         stepped = self.backend.step_optimizers(self.optimizers, closure)
         if stepped and args.scheduler_interval == "step":
-            for scheduler in self.schedulers:
-                if not isinstance(scheduler, _PLATEAU):
-                    scheduler.step()
+            self._step_schedulers()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         self.global_steps_finished += 1
@@ -314,6 +312,12 @@ class Trainer:
             # Ranks agree on stopping only where they synchronise anyway (log points, epoch ends).
             return args.max_steps is not None and step >= args.max_steps
         return self._should_end_training()
+
+    def _step_schedulers(self) -> None:
+        """Step every scheduler but ReduceLROnPlateau (which follows validation)."""
+        for scheduler in self.schedulers:
+            if not isinstance(scheduler, _PLATEAU):
+                scheduler.step()
 
     def _agree_on_stopping(self) -> None:
         """Under several ranks, stop if any rank wants to (one tiny all-reduce)."""
@@ -343,9 +347,7 @@ class Trainer:
         if not epoch_completed and self._should_end_training():
             return  # stopped mid-epoch: the final checkpoint records the position
         if self.args.scheduler_interval == "epoch":
-            for scheduler in self.schedulers:
-                if not isinstance(scheduler, _PLATEAU):
-                    scheduler.step()
+            self._step_schedulers()
         every = self.args.val_every_n_epochs
         if every and (self.epochs_finished + 1) % every == 0 and self._last_validation_step != self.global_steps_finished:
             self._evaluate(Stage.VAL)
@@ -353,8 +355,9 @@ class Trainer:
         self.epochs_finished += 1
         self.batches_finished_in_epoch = 0
         self._agree_on_stopping()
-        if self.checkpointer_enabled and self.epochs_finished < self.args.epochs and not self._should_end_training():
-            self.save_checkpoint(index=self.epochs_finished, force=False)
+        training_ends = self.epochs_finished >= self.args.epochs or self._should_end_training()
+        if self.checkpointer_enabled and not (training_ends and self.checkpointer.saves_at_end()):
+            self.save_checkpoint(index=self.epochs_finished, force=False)  # the final save covers the last epoch
 
     def _log_epoch_summary(self) -> None:
         epoch = self.epochs_finished
@@ -553,8 +556,9 @@ class Trainer:
             getattr(sampler, method)(*arguments)
         elif method == "fast_forward" and arguments[0]:
             raise ValueError(
-                "resuming mid-epoch needs the train loader's sampler to support fast_forward(n); "
-                "build it with the sampler(dataset) callable handed to get_train_dataloader"
+                f"resuming mid-epoch needs the train loader's sampler to support fast_forward(n), and "
+                f"{type(sampler).__name__} does not; build it with the sampler(dataset) callable handed to "
+                "get_train_dataloader"
             )
 
     def _restore_pending_rng(self) -> None:
@@ -585,9 +589,6 @@ class Trainer:
     @property
     def checkpointer_enabled(self) -> bool:
         return not self.args.fast_dev_run
-
-    def _checkpointer_args(self, name: str, default: Any) -> Any:
-        return getattr(getattr(self.checkpointer, "args", None), name, default)
 
     def save_checkpoint(self, index: Optional[int] = None, force: bool = True) -> Optional[str]:
         """Save module, trainer and backend state now (or, with ``force=False``, if ``index`` is due).

@@ -89,3 +89,43 @@ def test_optimizers_required(tmp_path):
 
     with pytest.raises(ValueError, match="returned no optimizer"):
         Trainer(NoOptimizer(), TrainerArguments(disable_tqdm=True, output_dir=str(tmp_path))).train()
+
+
+def test_validation_loaders_must_be_a_loader_or_dict(tmp_path):
+    class ListOfLoaders(ToyModule):
+        def get_val_dataloaders(self, sampler, batch_size):
+            return [super().get_val_dataloaders(sampler, batch_size)]
+
+    trainer = Trainer(ListOfLoaders(), TrainerArguments(disable_tqdm=True, output_dir=str(tmp_path)))
+    with pytest.raises(TypeError, match=r"get_val_dataloaders must return a DataLoader, a dict of DataLoaders or None; got list"):
+        trainer.validate()
+
+
+def test_wrong_val_step_return_type(tmp_path):
+    class WrongVal(ToyModule):
+        def val_step(self, global_step, batch, device):
+            return 3.0
+
+    trainer = Trainer(WrongVal(), TrainerArguments(disable_tqdm=True, output_dir=str(tmp_path)))
+    with pytest.raises(TypeError, match=r"val_step must return a loss tensor.*got float"):
+        trainer.validate()
+
+
+def test_mid_epoch_resume_needs_the_framework_sampler(tmp_path):
+    from torch.utils.data import DataLoader, RandomSampler
+
+    class OwnSampler(ToyModule):
+        def get_train_dataloader(self, sampler, batch_size):
+            return DataLoader(self.train_ds, batch_size=batch_size, sampler=RandomSampler(self.train_ds))
+
+    def args(**checkpointer):
+        values = TrainerArguments(disable_tqdm=True, output_dir=str(tmp_path), train_batch_size=32, max_steps=3)
+        for name, value in checkpointer.items():
+            setattr(values.checkpointer_args, name, value)
+        return values
+
+    Trainer(OwnSampler(), args(save_every_n_steps=3)).train()  # ends mid-epoch (8 steps per epoch)
+    resumed = Trainer(OwnSampler(), args(resume="auto"))
+    resumed.args.max_steps = 6
+    with pytest.raises(ValueError, match=r"needs the train loader's sampler to support fast_forward\(n\), and RandomSampler does not"):
+        resumed.train()

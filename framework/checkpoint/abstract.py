@@ -42,6 +42,10 @@ class AbstractCheckpointer(abc.ABC):
         """True when a mid-epoch save is due after optimizer step ``global_step``."""
         return False
 
+    def saves_at_end(self) -> bool:
+        """True when the trainer should save a final checkpoint when training ends."""
+        return True
+
     def restores_model_only(self) -> bool:
         """True when the checkpoint :meth:`load` returned should restore the model weights only
         (fresh optimizers, schedulers and counters: fine-tuning from another run)."""

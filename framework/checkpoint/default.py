@@ -353,6 +353,9 @@ class DefaultCheckpointer(AbstractCheckpointer):
         logger.info("loaded checkpoint %s (epoch %d, step %d)", url, checkpoint.epoch, checkpoint.global_step)
         return checkpoint
 
+    def saves_at_end(self) -> bool:
+        return self.args.save_at_end
+
     def restores_model_only(self) -> bool:
         """True with ``reset_optimizers_schedulers``, unless :meth:`load` resumed this run's own checkpoint."""
         return self.args.reset_optimizers_schedulers and not self.resumed_own_run

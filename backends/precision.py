@@ -46,6 +46,11 @@ class Precision:
             optimizer.step(closure) if closure is not None else optimizer.step()
         return True
 
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        """True when a step whose gradients are not finite is skipped (a GradScaler's job)."""
+        return False
+
     def get_state(self) -> Dict[str, Any]:
         """Precision state that belongs in a checkpoint."""
         return {}
@@ -150,6 +155,10 @@ class MixedPrecision(Precision):
                 self.scaler.step(optimizer)
         self.scaler.update()
         return self.scaler.get_scale() >= scale_before
+
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        return self.scaler is not None
 
     def get_state(self) -> Dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

@@ -11,13 +11,14 @@ import logging
 import os
 import sys
 import time
-from typing import Any, ContextManager, List, Optional, Sized
+from typing import Any, ContextManager, List, Optional, Sequence, Sized, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from backends.samplers import ResumableSampler
+from backends.batch import map_tensors
+from backends.samplers import ResumableSampler, interleave_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,37 @@ class Strategy:
     def barrier(self) -> None:
         """Wait until every rank arrives."""
 
+    # -- decisions every rank must take together ------------------------------------
+    def any_rank(self, flags: Sequence[bool]) -> List[bool]:
+        """For each flag, whether any rank set it (one tiny all-reduce for all of them)."""
+        return [bool(flag) for flag in flags]
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` over ranks (e.g. the epoch length every rank can reach)."""
+        return value
+
+    def all_ranks_have_batch(self, has_batch: bool) -> bool:
+        """True while every rank still has a batch (a stream without a length ends for all at once)."""
+        return has_batch
+
+    def gather_in_dataset_order(self, outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        """This rank's joined evaluation outputs merged with every rank's, in dataset order."""
+        return outputs
+
+    def preemption_agreed(self, signal_pending: bool, global_step: int) -> bool:
+        """Whether every rank stops at this step boundary because a preemption signal arrived.
+
+        Called at every step boundary; costs nothing while no signal is pending here.
+        """
+        return signal_pending
+
+    def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:
+        """Called before every manual backward (DDP re-arms its gradient reducer there)."""
+
+    def explain_failure(self, error: BaseException) -> Optional[str]:
+        """A sentence on what a distributed failure means and what to change, or None."""
+        return None
+
 
 class SingleProcess(Strategy):
     """One process: CUDA if available (``use_gpu``), else CPU.
@@ -152,6 +184,8 @@ class DDP(Strategy):
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self._owns_process_group = False
+        self._preemption_registered = False
+        self._preemption_stop_step: Optional[int] = None
 
     @property
     def distributed(self) -> bool:
@@ -276,6 +310,79 @@ class DDP(Strategy):
         holder = [obj]
         dist.broadcast_object_list(holder, src=0)
         return holder[0]
+
+    def any_rank(self, flags: Sequence[bool]) -> List[bool]:
+        if not self.distributed:
+            return super().any_rank(flags)
+        reduced = self.all_reduce(torch.tensor([float(flag) for flag in flags], device=self.device), "max")
+        return [value > 0 for value in reduced.tolist()]
+
+    def min_over_ranks(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        return int(self.all_reduce(torch.tensor(value, device=self.device), "min"))
+
+    def all_ranks_have_batch(self, has_batch: bool) -> bool:
+        if not self.distributed:
+            return has_batch
+        return bool(self.all_reduce(torch.tensor(float(has_batch), device=self.device), "min").item())
+
+    def gather_in_dataset_order(self, outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        if not self.distributed:
+            return outputs
+        return interleave_ranks(self.all_gather_object(map_tensors(outputs, torch.Tensor.cpu)))
+
+    def preemption_agreed(self, signal_pending: bool, global_step: int) -> bool:
+        """Agree on one stop step without a collective while no signal is pending.
+
+        torchrun and srun forward a signal to every rank, but each sees it at its own step
+        boundary, and DDP keeps ranks within one optimizer step of each other (no rank
+        finishes step ``s + 1`` before every rank has joined its gradient all-reduce). A rank
+        with a pending signal writes the step it has reached to the process group's store and
+        counts itself in; once every rank is counted, each computes the same stop step, one
+        past the largest step written, which no rank has passed yet. Store reads happen only
+        on a rank that has a signal pending.
+        """
+        if not self.distributed:
+            return signal_pending
+        if self._preemption_stop_step is None and signal_pending:
+            store = dist.distributed_c10d._get_default_store()
+            if not self._preemption_registered:
+                store.set(f"framework/preempt/step/{self.rank}", str(global_step))
+                store.add("framework/preempt/ranks", 1)
+                self._preemption_registered = True
+            if store.add("framework/preempt/ranks", 0) == self.world_size:
+                steps = [int(store.get(f"framework/preempt/step/{rank}")) for rank in range(self.world_size)]
+                self._preemption_stop_step = max(steps) + 1
+                logger.debug("rank %d: every rank has a signal pending; stopping at step %d", self.rank, self._preemption_stop_step)
+        return self._preemption_stop_step is not None and global_step >= self._preemption_stop_step
+
+    def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:
+        """Re-arm DDP's reducer for one more backward of the same forward (manual optimization).
+
+        DDP arms its reducer once per forward; a second ``backward`` through that forward
+        (a GAN's discriminator loss) needs it armed again, with the graph of this loss
+        searched for unused parameters when ``find_unused_parameters`` is on.
+        """
+        if not isinstance(wrapped, DistributedDataParallel) or not torch.is_grad_enabled():
+            return
+        if not wrapped.require_backward_grad_sync:
+            return
+        wrapped.require_forward_param_sync = True
+        reducer = wrapped.reducer
+        reducer._rebuild_buckets()
+        reducer.prepare_for_backward([loss] if wrapped.find_unused_parameters and not wrapped.static_graph else [])
+
+    def explain_failure(self, error: BaseException) -> Optional[str]:
+        text = str(error).lower()
+        if self.distributed and ("timed out" in text or "timeout" in text):
+            return (
+                f"a collective waited longer than ddp_timeout={self.timeout_seconds:g}s for another rank: a rank is "
+                "stuck or died. If steps, validation or saves legitimately take longer, raise "
+                "TrainerArguments.ddp_timeout (--trainer.ddp_timeout SECONDS). The collective said: "
+                + str(error).strip().splitlines()[0][:300]
+            )
+        return None
 
     def barrier(self) -> None:
         if self.distributed:

@@ -5,9 +5,19 @@ Example:
 """
 
 from framework.arguments import TrainerArguments
+from framework.loss_tracker import TrainingDiverged
 from framework.module import ModuleInterface
+from framework.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from framework.stage import Stage
 from framework.trainer import Trainer
 
-__all__ = ["ModuleInterface", "Trainer", "TrainerArguments", "Stage"]
+__all__ = [
+    "ModuleInterface",
+    "Trainer",
+    "TrainerArguments",
+    "Stage",
+    "TrainingDiverged",
+    "TrainingPreempted",
+    "PREEMPTED_EXIT_CODE",
+]
 __version__ = "0.1.0"

@@ -87,6 +87,11 @@ class TrainerArguments:
     """Where metrics.csv, config.yaml and (by default) checkpoints go."""
     tensorboard: bool = False
     """Also write metrics as TensorBoard events to ``<output_dir>/tensorboard`` (extra ``[tensorboard]``)."""
+    preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"
+    """Signals that stop training at the next step boundary with a checkpoint (exit code 75); "" catches none."""
+    stop_on_nonfinite_loss: bool = True
+    """Stop with an error naming the first step whose training loss was NaN/inf (checked where losses are
+    read; not under an fp16 GradScaler, which skips those steps)."""
     checkpointer_args: DefaultCheckpointerArguments = field(default_factory=DefaultCheckpointerArguments)
     """Arguments of the default checkpointer."""
 

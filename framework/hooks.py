@@ -1,6 +1,6 @@
 """The hooks of the training loop: one definition shared by ModuleInterface and Callback."""
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
@@ -52,3 +52,59 @@ class TrainingHooks:
 
     def on_end_train(self, global_step: int) -> None:
         """Once, after the last epoch (also after a stop request)."""
+
+
+class HookDispatcher:
+    """Calls a hook on the module, then on each callback, skipping those that keep the no-op.
+
+    Looking up which targets override a hook is done once per name (and again after
+    :meth:`refresh`), so a hook nobody implements costs one dict lookup per call.
+
+    Args:
+        module: the user's module (called first).
+        callbacks: called after the module, in order.
+
+    Example:
+        >>> class Printer(TrainingHooks):
+        ...     def on_end_optimizer_step(self, global_step):
+        ...         print("step", global_step)
+        >>> hooks = HookDispatcher(Printer(), [])
+        >>> hooks.call("on_end_optimizer_step", 3)
+        step 3
+        >>> hooks.implemented("on_begin_train")
+        False
+    """
+
+    def __init__(self, module: Any, callbacks: Sequence[Any]) -> None:
+        self.module = module
+        self.callbacks = callbacks
+        self._bound: Dict[str, List[Callable[..., Any]]] = {}
+
+    def refresh(self) -> None:
+        """Look hooks up afresh (callbacks may have been added or changed)."""
+        self._bound = {}
+
+    def bound(self, name: str) -> List[Callable[..., Any]]:
+        """The overriding implementations of hook ``name``, module first."""
+        hooks = self._bound.get(name)
+        if hooks is None:
+            targets = (self.module, *self.callbacks)
+            hooks = self._bound[name] = [getattr(target, name) for target in targets if overrides(target, name)]
+        return hooks
+
+    def implemented(self, name: str) -> bool:
+        """True when the module or a callback overrides hook ``name``."""
+        return bool(self.bound(name))
+
+    def call(self, name: str, *arguments: Any, **keywords: Any) -> None:
+        """Call every implementation of hook ``name``."""
+        for hook in self.bound(name):
+            hook(*arguments, **keywords)
+
+
+def overrides(target: Any, hook: str) -> bool:
+    """True when ``target`` implements ``hook`` beyond :class:`TrainingHooks`' no-op."""
+    if hook in getattr(target, "__dict__", {}):
+        return True
+    implementation = getattr(type(target), hook, None)
+    return implementation is not None and implementation is not getattr(TrainingHooks, hook)

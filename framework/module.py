@@ -1,13 +1,17 @@
 """ModuleInterface: what a user implements, and the dispatcher that DDP wraps."""
 
 import abc
-from typing import Any, Dict, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader
 
 from framework.hooks import TrainingHooks
+from framework.manual_optimization import ManualOptimization, one_or_list
 from framework.stage import Stage
+
+if TYPE_CHECKING:
+    from framework.trainer import Trainer
 
 Loaders = Union[None, DataLoader, Dict[str, DataLoader]]
 
@@ -35,7 +39,15 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         ...     def train_step(self, global_step, batch, device):
         ...         x, y = batch
         ...         return F.mse_loss(self.net(x), y)
+
+    Manual optimization (a GAN, several updates per batch, per-chunk TBPTT): set
+    ``automatic_optimization = False`` and step inside ``train_step`` with
+    :meth:`optimizers`, :meth:`manual_backward`, :meth:`clip_gradients` and
+    :meth:`lr_schedulers` (see ``docs/manual-optimization.md``).
     """
+
+    automatic_optimization: bool = True
+    """False: ``train_step`` runs its own backward passes and optimizer steps."""
 
     # -- required ---------------------------------------------------------------------
     @abc.abstractmethod
@@ -76,6 +88,66 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     def update_state(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`get_state` returned."""
         self.load_state_dict(state["model"])
+
+    # -- where the module runs ---------------------------------------------------------
+    @property
+    def trainer(self) -> "Trainer":
+        """The trainer running this module (an error outside one)."""
+        trainer = self.__dict__.get("_trainer")
+        if trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; build Trainer(module=...) first")
+        return trainer
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank (0 outside distributed training)."""
+        trainer = self.__dict__.get("_trainer")
+        return trainer.backend.rank if trainer is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes training together (1 outside distributed training)."""
+        trainer = self.__dict__.get("_trainer")
+        return trainer.backend.world_size if trainer is not None else 1
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being trained, counting from 0."""
+        return self.trainer.epochs_finished
+
+    # -- manual optimization -------------------------------------------------------------
+    def optimizers(self) -> Any:
+        """The optimizers (one alone, several as a list) whose ``step`` goes through the backend."""
+        return one_or_list(self._manual_optimization("optimizers").optimizers)
+
+    def lr_schedulers(self) -> Any:
+        """The schedulers (one alone, several as a list, None without); step them yourself."""
+        return one_or_list(self._manual_optimization("lr_schedulers").schedulers)
+
+    def manual_backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` through the backend: fp16 loss scaling, DDP gradient sync.
+
+        May be called several times per ``train_step`` (one per optimizer, or per chunk).
+        """
+        self._manual_optimization("manual_backward").backward(loss)
+
+    def clip_gradients(
+        self, optimizer: Any, max_norm: Optional[float] = None, max_value: Optional[float] = None
+    ) -> Optional[torch.Tensor]:
+        """Clip the gradients of ``optimizer``'s parameters (unscaled first under fp16).
+
+        Returns the total norm before clipping when ``max_norm`` is given.
+        """
+        return self._manual_optimization("clip_gradients").clip_gradients(optimizer, max_norm, max_value)
+
+    def _manual_optimization(self, method: str) -> ManualOptimization:
+        manual = getattr(self.__dict__.get("_trainer"), "manual_optimization", None)
+        if manual is None:
+            raise RuntimeError(
+                f"self.{method}() is for manual optimization: set automatic_optimization = False on "
+                f"{type(self).__name__} and call it from train_step while a Trainer trains it"
+            )
+        return manual
 
     def log(
         self,

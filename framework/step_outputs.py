@@ -1,4 +1,4 @@
-"""What steps return: normalising it, joining it over steps, and putting ranks back in order."""
+"""What steps return: normalising it and joining it over steps."""
 
 from typing import Any, List, Tuple
 
@@ -42,27 +42,3 @@ def concatenate_outputs(per_step: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
         else:
             joined.append(list(parts))
     return tuple(joined)
-
-
-def interleave_ranks(per_rank: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
-    """Merge every rank's joined outputs into dataset order.
-
-    The ordered evaluation sampler gives rank ``r`` of ``W`` the samples ``r, r + W, ...``,
-    so item ``j`` of rank ``r`` is sample ``j * W + r``. Outputs without a batch dimension
-    are returned as a list over ranks.
-
-    Example:
-        >>> interleave_ranks([(torch.tensor([0, 2]),), (torch.tensor([1]),)])
-        (tensor([0, 1, 2]),)
-    """
-    world_size = len(per_rank)
-    ranks = [rank for rank, outputs in enumerate(per_rank) if outputs]  # fewer samples than ranks
-    merged: List[Any] = []
-    for position in range(len(per_rank[ranks[0]]) if ranks else 0):
-        parts = [per_rank[rank][position] for rank in ranks]
-        if not all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in parts):
-            merged.append(parts)
-            continue
-        order = torch.cat([torch.arange(len(part)) * world_size + rank for rank, part in zip(ranks, parts)])
-        merged.append(torch.cat(parts)[torch.argsort(order)])
-    return tuple(merged)

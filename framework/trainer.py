@@ -5,7 +5,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader
@@ -15,15 +15,20 @@ from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.progress import ProgressBar
 from framework.checkpoint import AbstractCheckpointer, Checkpoint, DefaultCheckpointer
-from framework.hooks import TrainingHooks
-from framework.logging_setup import configure_logging
 from framework.config import resolved_config
+from framework.evaluation import Evaluator
+from framework.hooks import HookDispatcher
+from framework.logging_setup import configure_logging
+from framework.loss_tracker import LossTracker, TrainingDiverged
+from framework.manual_optimization import ManualOptimization
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
-from framework.module import ModuleInterface, StepRunner, as_loader_dict
-from framework.rng import capture_rng_state, restore_rng_state, seed_everything
+from framework.module import ModuleInterface, StepRunner
+from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
+from framework.rng import capture_rng_state, seed_everything
 from framework.stage import Stage
-from framework.step_outputs import as_outputs, concatenate_outputs, interleave_ranks
+from framework.step_outputs import as_outputs, concatenate_outputs
 from framework.tbptt import split_along_time
+from framework.training_state import PendingRng, TrainingProgress, accumulation_cycles
 from framework.writers import CSVWriter, MetricWriter, TensorBoardWriter
 
 logger = logging.getLogger("framework")
@@ -34,10 +39,12 @@ _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 class Trainer:
     """Runs epochs of a :class:`ModuleInterface` on a :class:`TrainerBackend`.
 
-    The loop in :meth:`train` reads like a hand-written PyTorch loop: for each micro-batch,
-    forward and backward (under ``no_sync`` until the last micro-batch of an accumulation
-    cycle); then unscale, clip, step the optimizers and schedulers, zero the gradients.
-    Losses stay on the device and are read back only every ``log_every_n_steps``.
+    The loop in :meth:`_train_epoch` reads like a hand-written PyTorch loop: for each
+    optimizer step, its micro-batches (forward and backward, all but the last under
+    ``no_sync``), then unscale, clip, step and zero; then log if due, validate if due, save
+    if due. Losses stay on the device and are read back only every ``log_every_n_steps``.
+    With ``automatic_optimization = False`` the module's ``train_step`` does its own
+    backward passes and steps (see ``docs/manual-optimization.md``).
 
     Args:
         module: the user's module.
@@ -72,6 +79,7 @@ class Trainer:
             raise TypeError(f"trainer_backend must be a TrainerBackend, got {type(trainer_backend).__name__}")
         self.args = args
         self.module = module
+        self.preemption = PreemptionHandler(parse_signals(args.preemption_signals))
         self.backend = trainer_backend if trainer_backend is not None else build_backend(args.backend)
         self.backend.setup(
             use_gpu=args.use_gpu,
@@ -84,6 +92,7 @@ class Trainer:
             self.train_step_batch_size, self.gradient_accumulation = micro_batch_plan(
                 args.train_batch_size, self.backend.world_size, args.gpu_batch_size_limit
             )
+            self.automatic_optimization = _check_optimization_mode(module, args, self.gradient_accumulation)
         except Exception:
             self.backend.teardown()
             raise
@@ -93,32 +102,31 @@ class Trainer:
         self.callbacks: List[Callback] = list(callbacks)
         if not args.disable_tqdm and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.insert(0, ProgressBar())
+        self.hooks = HookDispatcher(module, self.callbacks)
         self.history = MetricHistory()
         self.writers: List[MetricWriter] = []
-        self.global_steps_finished = 0
-        self.epochs_finished = 0
-        self.batches_finished_in_epoch = 0
+        self.progress = TrainingProgress()
+        self.losses = LossTracker(self.device)
         self.should_stop = False
         self.optimizers: List[torch.optim.Optimizer] = []
         self.schedulers: List[Any] = []
+        self.manual_optimization: Optional[ManualOptimization] = None
         self._train_loader: Optional[DataLoader] = None
         self._loader_length: Optional[int] = None
         self._runner = StepRunner(module)
         self._wrapped: Optional[torch.nn.Module] = None
+        self._parameters: List[torch.nn.Parameter] = []
         self._metrics = MetricCollector()
-        module.__dict__["_metric_logger"] = self._metrics
-        self._running_loss: Optional[torch.Tensor] = None
-        self._running_count = 0
-        self._unsummed_losses: List[torch.Tensor] = []
-        self._hooks: Dict[str, List[Any]] = {}
-        self._logged_loss: Optional[torch.Tensor] = None
-        self._logged_count = 0
-        self._pending_rng: Optional[Dict[str, Any]] = None
+        self._kept_outputs: List[Tuple[Any, ...]] = []
+        self._pending_rng = PendingRng()
         self._restored = False
         self._closure_optimizers = False
-        self._last_validation_step: Optional[int] = None
-        self._time_is_up = False
+        self._time_is_up = False  # agreed by every rank, like _preempted
+        self._preempted = False
         self._start_time = 0.0
+        self.evaluator = Evaluator(module, self._runner, self.backend, self.hooks, args, self._record)
+        module.__dict__["_metric_logger"] = self._metrics
+        module.__dict__["_trainer"] = self
         seed_everything(args.seed)
         module.to(self.device)
 
@@ -132,6 +140,21 @@ class Trainer:
     def is_main_process(self) -> bool:
         """True on rank zero: the rank that prints and writes files."""
         return self.backend.is_main_process
+
+    @property
+    def global_steps_finished(self) -> int:
+        """Optimizer steps finished (manual optimization: training batches finished)."""
+        return self.progress.global_steps_finished
+
+    @property
+    def epochs_finished(self) -> int:
+        """Epochs finished."""
+        return self.progress.epochs_finished
+
+    @property
+    def batches_finished_in_epoch(self) -> int:
+        """Micro-batches of the current epoch this rank has consumed."""
+        return self.progress.batches_finished_in_epoch
 
     @property
     def estimated_global_steps_per_epoch(self) -> Optional[int]:
@@ -149,128 +172,162 @@ class Trainer:
 
     # -- training -----------------------------------------------------------------------
     def train(self) -> MetricHistory:
-        """Train for ``args.epochs`` (or until ``max_steps``, ``max_time`` or a stop request)."""
+        """Train for ``args.epochs`` (or until ``max_steps``, ``max_time`` or a stop request).
+
+        Raises:
+            TrainingPreempted: a signal in ``preemption_signals`` arrived; the checkpoint of
+                the step it stopped at is saved (an uncaught one exits with status 75).
+            TrainingDiverged: the training loss became NaN/inf (``stop_on_nonfinite_loss``).
+        """
         try:
             self._setup_training()
-            self._call_hook("on_begin_train", self.global_steps_finished)
-            if self.args.sanity_val_steps and self.global_steps_finished == 0:
-                self._evaluate(Stage.VAL, max_batches=self.args.sanity_val_steps, record=False)
-            save_final = True
-            try:
-                while self.epochs_finished < self.args.epochs and not self._should_end_training():
-                    self._train_epoch()
-                    self._end_epoch()
-            except StopTraining as stop:
-                logger.info("training stopped: %s", stop)
-                save_final = getattr(stop, "save_checkpoint", True)
-            self._call_hook("on_end_train", self.global_steps_finished)
-            if save_final and self.checkpointer_enabled and self.checkpointer.saves_at_end():
-                self.save_checkpoint()
-            self.checkpointer.wait()
-        except BaseException:
+            with self.preemption:
+                self.hooks.call("on_begin_train", self.global_steps_finished)
+                if self.args.sanity_val_steps and self.global_steps_finished == 0:
+                    self._evaluate(Stage.VAL, max_batches=self.args.sanity_val_steps, record=False)
+                save_final = True
+                try:
+                    while self.epochs_finished < self.args.epochs and not self._should_end_training():
+                        self._train_epoch()
+                except StopTraining as stop:
+                    logger.info("training stopped: %s", stop)
+                    save_final = stop.save_checkpoint
+                if self._preempted and not self._training_complete():
+                    self._stop_for_preemption()
+                self.hooks.call("on_end_train", self.global_steps_finished)
+                if save_final and self.checkpointing_enabled and self.checkpointer.saves_at_end():
+                    self.save_checkpoint()
+                self.checkpointer.wait()
+        except BaseException as error:
             self.close()
+            explanation = None if isinstance(error, TrainingPreempted) else self.backend.strategy.explain_failure(error)
+            if explanation is not None:
+                raise RuntimeError(explanation) from error
             raise
         finally:
             self._close_writers()
         return self.history
 
     def _train_epoch(self) -> None:
-        """One epoch: micro-batches, accumulation cycles, optimizer steps."""
-        args, accumulation = self.args, self.gradient_accumulation
-        micro_batches = self._micro_batches_this_epoch()
-        self._train_sampler_call("set_epoch", self.epochs_finished)
-        self._train_sampler_call("fast_forward", self.batches_finished_in_epoch * self.train_step_batch_size)
-        # Creating a DataLoader iterator draws a seed from the global RNG. A resumed run
-        # restores the saved RNG where the saved run was: before that draw at an epoch
-        # boundary, after it mid-epoch.
-        if self.batches_finished_in_epoch == 0:
-            self._restore_pending_rng()
-            self._running_loss = torch.zeros((), device=self.device)
-            self._running_count = 0
-            self._logged_loss, self._logged_count = self._running_loss.clone(), 0
-        batches = iter(self._train_loader)
-        self._restore_pending_rng()
-        self._call_hook("on_begin_train_epoch", self.global_steps_finished, self.epochs_finished)
-        kept_outputs: List[Tuple[Any, ...]] = []
-        wrapped = self._wrapped
-        for batch_index in range(self.batches_finished_in_epoch, micro_batches or 2**62):
-            batch = next(batches, None)
-            if micro_batches is None and self.backend.world_size > 1:
-                # A loader without a length may run out on one rank first: all stop together,
-                # or the others would wait in a gradient all-reduce it never joins.
-                has_batch = torch.tensor(float(batch is not None), device=self.device)
-                if not self.backend.all_reduce(has_batch, "min").item():
-                    break
+        """One epoch: for each optimizer step, its micro-batches, the step, then what is due."""
+        args, progress = self.args, self.progress
+        cycles = accumulation_cycles(self._micro_batches_this_epoch(), self.gradient_accumulation, progress.batches_finished_in_epoch)
+        batches = self._start_epoch()
+        for cycle_length in cycles:
+            micro_batches = self._train_step(batches, cycle_length)
+            if not micro_batches:
+                break  # a stream without a length ran out
+            progress.finish_step(micro_batches)
+            step = progress.global_steps_finished
+            self.hooks.call("on_end_optimizer_step", step)
+            if step % args.log_every_n_steps == 0:
+                self._log_train_metrics()
+            if args.val_every_n_steps and step % args.val_every_n_steps == 0:
+                self._evaluate(Stage.VAL)
+            if self.checkpointing_enabled and self.checkpointer.is_step_save_due(step):
+                self.save_checkpoint()
+            if self._should_stop_after_step(step):
+                break
+        self._end_epoch()
+
+    def _train_step(self, batches: Iterator[Any], cycle_length: int) -> int:
+        """Forward and backward of up to ``cycle_length`` micro-batches, then one optimizer
+        step; returns how many micro-batches there were (0: the stream had ended)."""
+        if not self.automatic_optimization:
+            batch = self._next_batch(batches)
+            if batch is None:
+                return 0
+            step = self.global_steps_finished
+            self._after_micro_batch(as_outputs(self.backend.forward(self._wrapped, Stage.TRAIN, step, batch, self.device), "train_step"))
+            return 1
+        if self._closure_optimizers:
+            batch = self._next_batch(batches)
+            if batch is None:
+                return 0
+            self._after_micro_batch(self._closure_optimizer_step(batch))
+            return 1
+        seen = 0
+        sync_every_batch = self._loader_length is None  # the last micro-batch of a stream is not known ahead
+        for index in range(cycle_length):
+            batch = self._next_batch(batches)
             if batch is None:
                 break
-            batch = self.backend.move_to_device(batch)
-            cycle_start = batch_index - batch_index % accumulation
-            cycle_length = min(accumulation, micro_batches - cycle_start) if micro_batches else accumulation
-            ends_cycle = batch_index + 1 == cycle_start + cycle_length
-            if self._closure_optimizers:
-                outputs = self._closure_optimizer_step(wrapped, batch)
-            else:
-                skip_sync = not ends_cycle and micro_batches is not None
-                outputs = self._forward_backward(wrapped, batch, cycle_length, skip_sync)
-            loss = outputs[0]
-            self._unsummed_losses.append(loss.detach())  # summed on the device when read
-            self._running_count += 1
-            if len(self._unsummed_losses) >= 1024:
-                self._sum_losses()
-            if args.collect_train_outputs:
-                kept_outputs.append(map_tensors(outputs, torch.Tensor.detach))
-            self._call_hook("on_end_train_step", self.global_steps_finished, *outputs)
-            if ends_cycle:
-                self.batches_finished_in_epoch = batch_index + 1
-                if not self._closure_optimizers:
-                    self._optimizer_step()
-                if self._after_optimizer_step():
-                    break
-        if micro_batches is None and self._has_pending_gradients():
+            sync = sync_every_batch or index + 1 == cycle_length
+            self._after_micro_batch(self._forward_backward(batch, cycle_length, sync))
+            seen += 1
+        if seen and seen < cycle_length:  # a stream ended inside the cycle: mean over what was seen
+            for parameter in self._parameters:
+                if parameter.grad is not None:
+                    parameter.grad.mul_(cycle_length / seen)
+        if seen:
             self._optimizer_step()
-            self._after_optimizer_step()
-        self._end_train_epoch(kept_outputs)
+        return seen
 
-    def _forward_backward(self, wrapped: torch.nn.Module, batch: Any, cycle_length: int, skip_sync: bool) -> Tuple[Any, ...]:
+    def _next_batch(self, batches: Iterator[Any]) -> Any:
+        batch = next(batches, None)
+        if self._loader_length is None and not self.backend.strategy.all_ranks_have_batch(batch is not None):
+            return None  # every rank stops when the first runs out (the others would wait in an all-reduce)
+        return None if batch is None else self.backend.move_to_device(batch)
+
+    def _forward_backward(self, batch: Any, cycle_length: int, sync: bool) -> Tuple[Any, ...]:
         """Forward and backward of one micro-batch; with ``tbptt_steps``, chunk by chunk along
         dim 1, carrying the (detached) hidden state and summing the chunks' gradients."""
-        step, device = self.global_steps_finished, self.device
+        step, device, wrapped = self.global_steps_finished, self.device, self._wrapped
         if not self.args.tbptt_steps:
-            with self.backend.no_sync(wrapped, skip_gradient_sync=skip_sync):
+            with self.backend.no_sync(wrapped, skip_gradient_sync=not sync):
                 outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, batch, device), "train_step")
                 self.backend.backward(outputs[0] / cycle_length if cycle_length > 1 else outputs[0])
-            self._call_hook("on_end_backward", step, outputs[0])
+            self.hooks.call("on_end_backward", step, outputs[0])
             return outputs
         chunks = split_along_time(batch, self.args.tbptt_steps)
         hiddens, total_loss = None, 0.0
         for index, chunk in enumerate(chunks):
-            with self.backend.no_sync(wrapped, skip_gradient_sync=skip_sync or index + 1 < len(chunks)):
+            with self.backend.no_sync(wrapped, skip_gradient_sync=not sync or index + 1 < len(chunks)):
                 outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, chunk, device, hiddens), "train_step")
                 if len(outputs) < 2:
                     raise TypeError("with tbptt_steps set, train_step(global_step, batch, device, hiddens) must return (loss, hiddens, ...)")
                 self.backend.backward(outputs[0] / (cycle_length * len(chunks)))
-            self._call_hook("on_end_backward", step, outputs[0])
+            self.hooks.call("on_end_backward", step, outputs[0])
             hiddens = map_tensors(outputs[1], torch.Tensor.detach)
             total_loss = total_loss + outputs[0].detach()
         return (total_loss / len(chunks), *outputs[1:])
 
-    def _closure_optimizer_step(self, wrapped: torch.nn.Module, batch: Any) -> Tuple[Any, ...]:
+    def _after_micro_batch(self, outputs: Tuple[Any, ...]) -> None:
+        """Keep the loss on the device (and the outputs when asked); ``on_end_train_step``."""
+        self.losses.add(outputs[0], self.global_steps_finished)
+        if self.args.collect_train_outputs:
+            self._kept_outputs.append(map_tensors(outputs, torch.Tensor.detach))
+        self.hooks.call("on_end_train_step", self.global_steps_finished, *outputs)
+
+    def _closure_optimizer_step(self, batch: Any) -> Tuple[Any, ...]:
         """One step of optimizers that re-evaluate the loss themselves (LBFGS)."""
         first_outputs: List[Tuple[Any, ...]] = []
+        step = self.global_steps_finished
 
         def closure() -> torch.Tensor:
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=False)
-            outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, self.global_steps_finished, batch, self.device), "train_step")
+            outputs = as_outputs(self.backend.forward(self._wrapped, Stage.TRAIN, step, batch, self.device), "train_step")
             self.backend.backward(outputs[0])
             self._clip_gradients()
             if not first_outputs:
                 first_outputs.append(outputs)
-                self._call_hook("on_end_backward", self.global_steps_finished, outputs[0])
+                self.hooks.call("on_end_backward", step, outputs[0])
             return outputs[0]
 
         self._optimizer_step(closure)
         return first_outputs[0]
+
+    def _optimizer_step(self, closure: Any = None) -> None:
+        """Unscale, clip, step optimizers (and per-step schedulers), zero gradients."""
+        if closure is None:
+            self.backend.unscale_gradients(self.optimizers)
+            self._clip_gradients()
+        stepped = self.backend.step_optimizers(self.optimizers, closure)
+        if stepped and self.args.scheduler_interval == "step":
+            self._step_schedulers()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def _clip_gradients(self) -> None:
         args = self.args
@@ -282,82 +339,57 @@ class Trainer:
             if args.track_grad_norm:
                 self._metrics.log("grad_norm", grad_norm, on_step=True, on_epoch=True)
 
-    def _optimizer_step(self, closure: Any = None) -> None:
-        """Unscale, clip, step optimizers (and per-step schedulers), zero gradients."""
-        args = self.args
-        if closure is None:
-            self.backend.unscale_gradients(self.optimizers)
-            self._clip_gradients()
-        stepped = self.backend.step_optimizers(self.optimizers, closure)
-        if stepped and args.scheduler_interval == "step":
-            self._step_schedulers()
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        self.global_steps_finished += 1
-
-    def _after_optimizer_step(self) -> bool:
-        """Hooks, logging, mid-epoch validation and saves after a step; True ends the epoch."""
-        args, step = self.args, self.global_steps_finished
-        self._call_hook("on_end_optimizer_step", step)
-        if args.max_time is not None and time.monotonic() - self._start_time > args.max_time:
-            self._time_is_up = True
-        at_log_point = step % args.log_every_n_steps == 0
-        if at_log_point:
-            self._log_train_metrics()
-        if args.val_every_n_steps and step % args.val_every_n_steps == 0:
-            self._evaluate(Stage.VAL)
-        if self.checkpointer_enabled and self.checkpointer.is_step_save_due(step):
-            self.save_checkpoint()
-        if self.backend.world_size > 1 and not at_log_point:
-            # Ranks agree on stopping only where they synchronise anyway (log points, epoch ends).
-            return args.max_steps is not None and step >= args.max_steps
-        return self._should_end_training()
-
     def _step_schedulers(self) -> None:
         """Step every scheduler but ReduceLROnPlateau (which follows validation)."""
         for scheduler in self.schedulers:
             if not isinstance(scheduler, _PLATEAU):
                 scheduler.step()
 
-    def _agree_on_stopping(self) -> None:
-        """Under several ranks, stop if any rank wants to (one tiny all-reduce)."""
-        if self.backend.world_size > 1:
-            flags = torch.tensor([float(self.should_stop), float(self._time_is_up)], device=self.device)
-            flags = self.backend.all_reduce(flags, "max").tolist()
-            self.should_stop, self._time_is_up = bool(flags[0]), bool(flags[1])
-
-    def _sum_losses(self) -> None:
-        """Fold the losses kept since the last read into the running sum (one device op)."""
-        if self._unsummed_losses:
-            self._running_loss += torch.stack([loss.float().reshape(()) for loss in self._unsummed_losses]).sum()
-            self._unsummed_losses.clear()
-
-    def _end_train_epoch(self, kept_outputs: List[Tuple[Any, ...]]) -> None:
-        self._sum_losses()
-        if self._running_count:
-            mean_loss = self.backend.all_reduce(self._running_loss / self._running_count)
-            self._record({"train_loss_epoch": float(mean_loss)})
-        outputs = concatenate_outputs(kept_outputs)
-        self._call_hook("on_end_train_epoch", self.global_steps_finished, *outputs)
-        self._record(self._reduce_collected(self._metrics.pop_epoch()))  # from steps and the hook above
+    def _start_epoch(self) -> Iterator[Any]:
+        """Position the sampler (and the RNG) where the epoch continues; ``on_begin_train_epoch``."""
+        progress = self.progress
+        self._train_sampler_call("set_epoch", progress.epochs_finished)
+        self._train_sampler_call("fast_forward", progress.batches_finished_in_epoch * self.train_step_batch_size)
+        # Creating a DataLoader iterator draws a seed from the global RNG. A resumed run
+        # restores the saved RNG where the saved run was: before that draw at an epoch
+        # boundary, after it mid-epoch.
+        if progress.batches_finished_in_epoch == 0:
+            self._pending_rng.apply()
+            self.losses.start_epoch()
+        batches = iter(self._train_loader)
+        self._pending_rng.apply()
+        self._kept_outputs = []
+        self.hooks.call("on_begin_train_epoch", progress.global_steps_finished, progress.epochs_finished)
+        return batches
 
     def _end_epoch(self) -> None:
-        """Counters, epoch schedulers, validation and the epoch-end checkpoint."""
-        epoch_completed = self.batches_finished_in_epoch >= (self._micro_batches_this_epoch() or 0)
-        if not epoch_completed and self._should_end_training():
+        """Epoch metrics, epoch schedulers, validation and the epoch-end checkpoint."""
+        progress = self.progress
+        epoch_completed = progress.batches_finished_in_epoch >= (self._micro_batches_this_epoch() or 0)
+        if self._preempted or (not epoch_completed and self._should_end_training()):
             return  # stopped mid-epoch: the final checkpoint records the position
-        if self.args.scheduler_interval == "epoch":
+        self._end_train_epoch()
+        if self.automatic_optimization and self.args.scheduler_interval == "epoch":
             self._step_schedulers()
         every = self.args.val_every_n_epochs
-        if every and (self.epochs_finished + 1) % every == 0 and self._last_validation_step != self.global_steps_finished:
+        if every and (progress.epochs_finished + 1) % every == 0 and progress.last_validated_step != progress.global_steps_finished:
             self._evaluate(Stage.VAL)
         self._log_epoch_summary()
-        self.epochs_finished += 1
-        self.batches_finished_in_epoch = 0
+        progress.finish_epoch()
         self._agree_on_stopping()
-        training_ends = self.epochs_finished >= self.args.epochs or self._should_end_training()
-        if self.checkpointer_enabled and not (training_ends and self.checkpointer.saves_at_end()):
-            self.save_checkpoint(index=self.epochs_finished, force=False)  # the final save covers the last epoch
+        training_ends = progress.epochs_finished >= self.args.epochs or self._should_end_training()
+        save_due = self.checkpointing_enabled and self.checkpointer.is_epoch_save_due(progress.epochs_finished)
+        if save_due and not (training_ends and self.checkpointer.saves_at_end()):  # the final save covers the last epoch
+            self.save_checkpoint(index=progress.epochs_finished, force=False)
+
+    def _end_train_epoch(self) -> None:
+        mean_loss = self.losses.epoch_mean()
+        if mean_loss is not None:
+            self._record_train_loss("train_loss_epoch", float(self.backend.all_reduce(mean_loss)))
+        outputs = concatenate_outputs(self._kept_outputs)
+        self._kept_outputs = []
+        self.hooks.call("on_end_train_epoch", self.global_steps_finished, *outputs)
+        self._record(self._reduce_collected(self._metrics.pop_epoch()))  # from steps and the hook above
 
     def _log_epoch_summary(self) -> None:
         epoch = self.epochs_finished
@@ -365,13 +397,59 @@ class Trainer:
         summary = "  ".join(f"{name}={value:.4g}" for name, value in latest.items())
         logger.info("epoch %d/%d (step %d): %s", epoch + 1, self.args.epochs, self.global_steps_finished, summary)
 
+    # -- stopping -----------------------------------------------------------------------
+    def _should_stop_after_step(self, step: int) -> bool:
+        """After each optimizer step: max_steps, max_time, a signal, or a stop request.
+
+        Every rank must answer the same. ``max_steps`` is the same everywhere; at log points
+        the ranks' requests rode on the loss all-reduce; between them, the clock and signals
+        are agreed on by the strategy, with no collective while nothing is pending here.
+        """
+        args = self.args
+        if args.max_steps is not None and step >= args.max_steps:
+            return True
+        if self.backend.world_size == 1:
+            self._time_is_up = self._time_is_up or self._clock_expired()
+            self._preempted = self.preemption.requested
+            return self._should_end_training()
+        if step % args.log_every_n_steps == 0:
+            return self._should_end_training()
+        pending = self.preemption.requested or self._clock_expired()
+        if pending and self.backend.strategy.preemption_agreed(True, step):
+            self._agree_on_stopping()  # once, at the agreed step: every rank learns every reason
+            return True
+        return False
+
+    def _clock_expired(self) -> bool:
+        max_time = self.args.max_time
+        return max_time is not None and time.monotonic() - self._start_time > max_time
+
+    def _stop_flags(self) -> List[bool]:
+        """This rank's stop request, expired clock and pending signal."""
+        return [self.should_stop, self._time_is_up or self._clock_expired(), self.preemption.requested]
+
+    def _agree_on_stopping(self) -> None:
+        """Every rank adopts any rank's stop request, expired clock and signal (one tiny all-reduce)."""
+        self.should_stop, self._time_is_up, self._preempted = self.backend.strategy.any_rank(self._stop_flags())
+
     def _should_end_training(self) -> bool:
         args = self.args
-        if args.max_steps is not None and self.global_steps_finished >= args.max_steps:
-            return True
-        if self._time_is_up:
+        if self._training_complete() or self._time_is_up or self._preempted:
             return True
         return self.should_stop and self.epochs_finished >= args.min_epochs
+
+    def _training_complete(self) -> bool:
+        max_steps = self.args.max_steps
+        return self.epochs_finished >= self.args.epochs or (max_steps is not None and self.global_steps_finished >= max_steps)
+
+    def _stop_for_preemption(self) -> None:
+        """Save where training stopped, wait for the write, and leave with exit status 75."""
+        signal_name = self.preemption.signal_name or "a signal on another rank"
+        logger.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, self.global_steps_finished)
+        if self.checkpointing_enabled:
+            self.save_checkpoint()
+        self.checkpointer.wait()
+        raise TrainingPreempted(signal_name, self.global_steps_finished)
 
     # -- evaluation ---------------------------------------------------------------------
     def validate(self) -> Dict[str, float]:
@@ -391,54 +469,13 @@ class Trainer:
             self._close_writers()
 
     def _evaluate(self, stage: Stage, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
-        """Run every loader of ``stage`` without gradients; gather outputs in dataset order."""
-        args = self.args
-        batch_size = args.val_batch_size or self.train_step_batch_size
-        sampler = self.backend.sampler_factory(shuffle=False, seed=args.seed)
-        get_loaders = self.module.get_val_dataloaders if stage is Stage.VAL else self.module.get_test_dataloaders
-        loaders = as_loader_dict(get_loaders(sampler, batch_size), get_loaders.__name__)
-        results: Dict[str, float] = {}
-        was_training = self.module.training
-        train_metrics, eval_metrics = self._metrics, MetricCollector()
-        self.module.__dict__["_metric_logger"] = eval_metrics
-        self.module.eval()
-        try:
-            for key, loader in loaders.items():
-                if record:
-                    self._call_hook(f"on_begin_{stage.value}_epoch", self.global_steps_finished, key=key)
-                limit = max_batches or _batch_limit(args.max_val_steps_per_epoch, loader)
-                collected = []
-                with torch.no_grad():
-                    for index, batch in enumerate(loader):
-                        if limit is not None and index >= limit:
-                            break
-                        batch = self.backend.move_to_device(batch)
-                        step_outputs = self.backend.forward(self._runner, stage, self.global_steps_finished, batch, self.device)
-                        collected.append(as_outputs(step_outputs, f"{stage.value}_step"))
-                if not record:
-                    continue
-                outputs = self._gather_in_dataset_order(collected)
-                suffix = f"/{key}" if key else ""
-                metrics = {f"{stage.value}_loss{suffix}": float(outputs[0].float().mean())} if outputs else {}
-                self._call_hook(f"on_end_{stage.value}_epoch", self.global_steps_finished, *outputs, key=key)
-                logged = self._reduce_collected(eval_metrics.pop_epoch())  # from steps and the hook above
-                metrics.update({f"{name}{suffix}": value for name, value in logged.items()})
-                self._record(metrics)
-                results.update(metrics)
-        finally:
-            self.module.train(was_training)
-            self.module.__dict__["_metric_logger"] = train_metrics
+        batch_size = self.args.val_batch_size or self.train_step_batch_size
+        results = self.evaluator.run(stage, self.global_steps_finished, batch_size, max_batches, record)
         if record and stage is Stage.VAL:
-            self._last_validation_step = self.global_steps_finished
-            self._step_plateau_schedulers()
+            self.progress.last_validated_step = self.global_steps_finished
+            if self.automatic_optimization:
+                self._step_plateau_schedulers()
         return results
-
-    def _gather_in_dataset_order(self, collected: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
-        """This rank's step outputs joined, then every rank's interleaved back into dataset order."""
-        local = concatenate_outputs(collected)
-        if self.backend.world_size == 1:
-            return local
-        return interleave_ranks(self.backend.all_gather_object(map_tensors(local, torch.Tensor.cpu)))
 
     def _step_plateau_schedulers(self) -> None:
         plateau = [s for s in self.schedulers if isinstance(s, _PLATEAU)]
@@ -455,16 +492,24 @@ class Trainer:
     def _log_train_metrics(self) -> None:
         """Read the loss since the last log point (and logged step values) back from the device,
         with the ranks' stop requests riding on the same all-reduce, and write them."""
-        self._sum_losses()
-        count = self._running_count - self._logged_count
-        interval_mean = (self._running_loss - self._logged_loss) / max(count, 1)
-        flags = torch.tensor([float(self.should_stop), float(self._time_is_up)], device=self.device)
-        loss, stop, time_is_up = self.backend.all_reduce(torch.cat([interval_mean.float().reshape(1), flags])).tolist()
-        self.should_stop, self._time_is_up = stop > 0, time_is_up > 0  # any rank asked
-        self._logged_loss, self._logged_count = self._running_loss.clone(), self._running_count
-        metrics = {"train_loss": loss} if count else {}
-        metrics.update(self._reduce_collected(self._metrics.pop_step()))
-        self._record(metrics)
+        has_loss = self.losses.has_unlogged
+        interval_mean = self.losses.interval_mean().float().reshape(1)
+        flags = torch.tensor([float(flag) for flag in self._stop_flags()], device=self.device)
+        loss, *any_flags = self.backend.all_reduce(torch.cat([interval_mean, flags])).tolist()
+        self.should_stop, self._time_is_up, self._preempted = (flag > 0 for flag in any_flags)  # any rank asked
+        self.losses.mark_logged()
+        if has_loss:
+            self._record_train_loss("train_loss", loss)
+        self._record(self._reduce_collected(self._metrics.pop_step()))
+
+    def _record_train_loss(self, name: str, value: float) -> None:
+        """Record a training loss read back from the device; a NaN/inf one ends the run (unless a
+        GradScaler skips such steps: then it never reached the weights)."""
+        if not math.isfinite(value) and self.args.stop_on_nonfinite_loss and not self.backend.precision.skips_nonfinite_steps:
+            first = self.losses.first_nonfinite_step()
+            first = self.backend.strategy.min_over_ranks(first if first is not None else 2**62)
+            raise TrainingDiverged(first, value)
+        self._record({name: value})
 
     def _reduce_collected(self, collected: Dict[str, Tuple[torch.Tensor, str]]) -> Dict[str, float]:
         return reduce_metrics(collected, self.backend.all_reduce, self.device)
@@ -484,7 +529,7 @@ class Trainer:
         if self.is_main_process:
             for writer in self.writers:
                 writer.write(records)
-        self._call_hook("on_log_metrics", self.global_steps_finished, dict(metrics))
+        self.hooks.call("on_log_metrics", self.global_steps_finished, dict(metrics))
 
     def _close_writers(self) -> None:
         for writer in self.writers:
@@ -507,12 +552,10 @@ class Trainer:
         sampler = self.backend.sampler_factory(shuffle=True, seed=self.args.seed)
         self._train_loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
         try:
-            length = len(self._train_loader)
+            length: Optional[int] = len(self._train_loader)
         except TypeError:
             length = None
-        if length is not None and self.backend.world_size > 1:
-            length = int(self.backend.all_reduce(torch.tensor(length, device=self.device), "min"))
-        self._loader_length = length
+        self._loader_length = None if length is None else self.backend.strategy.min_over_ranks(length)
 
     def _setup_training(self) -> None:
         self._create_train_loader()
@@ -531,6 +574,11 @@ class Trainer:
                 raise ValueError(
                     "LBFGS re-evaluates the loss itself: it needs gradient_accumulation == 1 (gpu_batch_size_limit "
                     f"unset or >= the per-process batch, got accumulation {self.gradient_accumulation}) and no tbptt_steps"
+                )
+            if not self.automatic_optimization:
+                self.manual_optimization = ManualOptimization(
+                    self.backend, self.optimizers, self.schedulers, self._wrapped,
+                    on_backward=lambda loss: self.hooks.call("on_end_backward", self.global_steps_finished, loss),
                 )
         self._prepare_callbacks()
         if not self._restored:
@@ -561,33 +609,16 @@ class Trainer:
                 "get_train_dataloader"
             )
 
-    def _restore_pending_rng(self) -> None:
-        if self._pending_rng is not None:
-            restore_rng_state(self._pending_rng)
-            self._pending_rng = None
-
-    def _has_pending_gradients(self) -> bool:
-        return any(p.grad is not None for p in self._parameters)
-
-    # -- hooks ----------------------------------------------------------------------------
     def _prepare_callbacks(self) -> None:
         """Hand each callback the trainer; look hooks up afresh (callbacks may have changed)."""
         for callback in self.callbacks:
             callback.setup(self)
-        self._hooks = {}
-
-    def _call_hook(self, name: str, *arguments: Any, **keywords: Any) -> None:
-        """The module's hook, then each callback's (only those that override it)."""
-        hooks = self._hooks.get(name)
-        if hooks is None:
-            targets = (self.module, *self.callbacks)
-            hooks = self._hooks[name] = [getattr(target, name) for target in targets if _overrides(target, name)]
-        for hook in hooks:
-            hook(*arguments, **keywords)
+        self.hooks.refresh()
 
     # -- checkpoints ----------------------------------------------------------------------
     @property
-    def checkpointer_enabled(self) -> bool:
+    def checkpointing_enabled(self) -> bool:
+        """False under ``fast_dev_run``."""
         return not self.args.fast_dev_run
 
     def save_checkpoint(self, index: Optional[int] = None, force: bool = True) -> Optional[str]:
@@ -636,13 +667,12 @@ class Trainer:
 
     def _restore_checkpoint(self) -> None:
         checkpoint = self.checkpointer.load()
-        if self.backend.world_size > 1:
-            steps = self.backend.all_gather_object(None if checkpoint is None else checkpoint.global_step)
-            if len(set(steps)) > 1:
-                raise RuntimeError(
-                    f"the ranks loaded different checkpoints (global step per rank: {steps}); every rank must "
-                    f"see the same checkpoint directory: use a shared filesystem or URL for save_dir/load_dir"
-                )
+        steps = self.backend.all_gather_object(None if checkpoint is None else checkpoint.global_step)
+        if len(set(steps)) > 1:
+            raise RuntimeError(
+                f"the ranks loaded different checkpoints (global step per rank: {steps}); every rank must "
+                f"see the same checkpoint directory: use a shared filesystem or URL for save_dir/load_dir"
+            )
         if checkpoint is None:
             return
         self.module.update_state(checkpoint.module_state)
@@ -655,21 +685,13 @@ class Trainer:
         """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
         schedulers, callbacks, history, and per rank: RNG states, running losses, logged values.
         Collective under DDP (the per-rank part is gathered): call it on every rank."""
-        self._sum_losses()
-        running_loss = self._running_loss if self._running_loss is not None else torch.zeros(())
         rank_local = {  # differs between ranks: gathered, each rank restores its own
             "rng": capture_rng_state(),
-            "running_loss": running_loss.detach().cpu(),
-            "running_count": self._running_count,
-            "logged_loss": (self._logged_loss if self._logged_loss is not None else running_loss).detach().cpu(),
-            "logged_count": self._logged_count,
+            **self.losses.state_dict(),
             "logged_values": self._metrics.state_dict(),
         }
         return {
-            "epochs_finished": self.epochs_finished,
-            "global_steps_finished": self.global_steps_finished,
-            "batches_finished_in_epoch": self.batches_finished_in_epoch,
-            "micro_batch_size": self.train_step_batch_size,
+            **self.progress.state_dict(self.backend.world_size, self.train_step_batch_size),
             "should_stop": self.should_stop,
             "ranks": self.backend.all_gather_object(rank_local),
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
@@ -677,27 +699,22 @@ class Trainer:
             "callbacks": [{"type": type(callback).__name__, "state": callback.get_state()} for callback in self.callbacks],
             "checkpointer": self.checkpointer.get_state(),
             "history": self.history.state_dict(),
-            "world_size": self.backend.world_size,
         }
 
     def update_state(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`get_state` returned (optimizers must exist: call inside train)."""
-        self.epochs_finished = int(state["epochs_finished"])
-        self.global_steps_finished = int(state["global_steps_finished"])
-        self.batches_finished_in_epoch = self._resume_position(state)
+        world_size = self.backend.world_size
+        self.progress.load_state_dict(state, world_size, self.train_step_batch_size, self.gradient_accumulation)
         ranks = state["ranks"]
-        if len(ranks) != self.backend.world_size:
+        if len(ranks) != world_size:
             logger.warning(
                 "checkpoint written by %d ranks, resumed on %d: RNG streams and running losses are taken from "
-                "rank (this rank mod %d)", len(ranks), self.backend.world_size, len(ranks),
+                "rank (this rank mod %d)", len(ranks), world_size, len(ranks),
             )
         mine = ranks[self.backend.rank % len(ranks)]
-        self._running_loss = mine["running_loss"].to(self.device)
-        self._running_count = int(mine["running_count"])
-        self._logged_loss = mine["logged_loss"].to(self.device)
-        self._logged_count = int(mine["logged_count"])
+        self.losses.load_state_dict(mine)
         self._metrics.load_state_dict(mine["logged_values"], self.device)
-        self._pending_rng = mine["rng"]  # restored around the train loader's iterator (see _train_epoch)
+        self._pending_rng.set(mine["rng"])  # restored around the train loader's iterator (see _start_epoch)
         self.should_stop = bool(state["should_stop"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
@@ -712,28 +729,6 @@ class Trainer:
         self.checkpointer.update_state(state.get("checkpointer", {}))
         self.history.load_state_dict(state["history"])
 
-    def _resume_position(self, state: Dict[str, Any]) -> int:
-        """Micro-batches of the current epoch this rank has finished, per the checkpoint.
-
-        A checkpoint taken with another world size or micro-batch size is mapped through
-        the number of samples the whole job had consumed in the epoch.
-        """
-        batches = int(state["batches_finished_in_epoch"])
-        world_size, micro_batch = self.backend.world_size, self.train_step_batch_size
-        saved_world_size = int(state.get("world_size", world_size))
-        saved_micro_batch = int(state.get("micro_batch_size", micro_batch))
-        if not batches or (saved_world_size, saved_micro_batch) == (world_size, micro_batch):
-            return batches
-        samples = batches * saved_micro_batch * saved_world_size
-        if samples % (micro_batch * world_size * self.gradient_accumulation):
-            logger.warning(
-                "checkpoint taken after %d samples of the epoch (%d ranks x %d per micro-batch); resuming with %d ranks x %d "
-                "x %d accumulated micro-batches does not land on an optimizer step: it resumes from the step before "
-                "(those samples are seen twice)", samples, saved_world_size, saved_micro_batch, world_size, micro_batch, self.gradient_accumulation,
-            )
-        batches = samples // (micro_batch * world_size)
-        return batches - batches % self.gradient_accumulation
-
     def close(self) -> None:
         """Wait for background saves and leave the process group."""
         try:
@@ -742,15 +737,23 @@ class Trainer:
             self.backend.teardown()
 
 
-def _batch_limit(limit: Optional[float], loader: Iterable) -> Optional[int]:
-    if limit is None or isinstance(limit, int):
-        return limit
-    return max(1, math.floor(limit * len(loader)))
-
-
-def _overrides(target: Any, hook: str) -> bool:
-    """True when ``target`` implements ``hook`` beyond TrainingHooks' no-op (only those are called)."""
-    if hook in getattr(target, "__dict__", {}):
+def _check_optimization_mode(module: ModuleInterface, args: TrainerArguments, accumulation: int) -> bool:
+    """The module's ``automatic_optimization``, after refusing settings manual mode cannot apply."""
+    automatic = module.automatic_optimization
+    if not isinstance(automatic, bool):
+        raise TypeError(f"{type(module).__name__}.automatic_optimization={automatic!r}; allowed: True or False")
+    if automatic:
         return True
-    implementation = getattr(type(target), hook, None)
-    return implementation is not None and implementation is not getattr(TrainingHooks, hook)
+    refused = {
+        "gradient accumulation (train_batch_size / world size > gpu_batch_size_limit)": accumulation > 1,
+        "tbptt_steps (split the batch in train_step instead)": args.tbptt_steps is not None,
+        "clip_grads / clip_grad_value (call self.clip_gradients in train_step)": args.clip_grads or args.clip_grad_value is not None,
+        "track_grad_norm (clip_gradients returns the norm: self.log it)": args.track_grad_norm,
+    }
+    for setting, applies in refused.items():
+        if applies:
+            raise ValueError(
+                f"{type(module).__name__} uses manual optimization (automatic_optimization = False), where the "
+                f"trainer runs no backward and no optimizer step itself, so {setting} cannot apply; remove it"
+            )
+    return False

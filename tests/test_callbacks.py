@@ -15,7 +15,7 @@ import torch
 from distributed import run_ranks
 from toy import ToyModule, flat_parameters
 
-from framework import Trainer, TrainerArguments
+from framework import Trainer, TrainerArguments, TrainingDiverged
 from framework.callbacks import (
     Callback,
     EarlyStopping,
@@ -191,10 +191,12 @@ def test_terminate_on_nan_stops_before_the_update_and_keeps_only_good_checkpoint
     assert latest.global_step == 4
     assert all(torch.isfinite(value).all() for value in latest.module_state["model"].values())
 
-    # Without the callback the NaN reaches the weights.
-    unguarded = Trainer(NaNAtStep(nan_step=5), make_args(tmp_path, epochs=1))
+    # Without the callback the NaN reaches the weights; by default the trainer stops at the next read.
+    unguarded = Trainer(NaNAtStep(nan_step=5), make_args(tmp_path / "unguarded", epochs=1, stop_on_nonfinite_loss=False))
     unguarded.train()
     assert not torch.isfinite(flat_parameters(unguarded.module)).all()
+    with pytest.raises(TrainingDiverged, match="global_step=5 "):
+        Trainer(NaNAtStep(nan_step=5), make_args(tmp_path / "default", epochs=1)).train()
 
 
 # -- StopTraining, hook order ------------------------------------------------------------

@@ -100,7 +100,8 @@ def test_ddp_timeout_bounds_the_wait_for_a_stalled_rank(tmp_path):
     waiting, stalled = run_ranks(
         failing_rank, timeout=60, tmp=str(tmp_path), mode="stall", stall_seconds=8.0, ddp_timeout=2.0
     )
-    assert waiting["error"] is not None and "Timed out" in waiting["error"], waiting
+    error = waiting["error"]
+    assert error is not None and "Timed out" in error and "ddp_timeout=2s" in error and "--trainer.ddp_timeout" in error, waiting
     assert waiting["ended_at"] < stalled["woke_at"]
     assert stalled["error"] is not None  # its peer is gone when it wakes up
     assert not waiting["group_alive"] and not stalled["group_alive"]

@@ -38,6 +38,11 @@ class AbstractCheckpointer(abc.ABC):
     def load(self) -> Optional[Checkpoint]:
         """The checkpoint to resume from, or None to start fresh."""
 
+    def is_epoch_save_due(self, epochs_finished: int) -> bool:
+        """True when :meth:`save` would keep the epoch-end checkpoint ``epochs_finished`` (the
+        trainer builds the checkpoint's state only then)."""
+        return True
+
     def is_step_save_due(self, global_step: int) -> bool:
         """True when a mid-epoch save is due after optimizer step ``global_step``."""
         return False

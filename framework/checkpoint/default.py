@@ -171,7 +171,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
         torch.save(obj, handle)
 
     def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
-        if not force and not (self.args.period and index % self.args.period == 0):
+        if not force and not self.is_epoch_save_due(index):
             return None
         name = checkpoint_name(checkpoint.global_step)
         score = checkpoint.metrics.get(self.args.metric)
@@ -211,6 +211,9 @@ class DefaultCheckpointer(AbstractCheckpointer):
         name = model_name(index)
         storage.write_atomically(self._fs, storage.join(self._dir, name), copy_to_cpu(state), serializer=self.serialize)
         return self._url(name)
+
+    def is_epoch_save_due(self, epochs_finished: int) -> bool:
+        return bool(self.args.period) and epochs_finished % self.args.period == 0
 
     def is_step_save_due(self, global_step: int) -> bool:
         every = self.args.save_every_n_steps

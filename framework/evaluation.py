@@ -1,0 +1,103 @@
+"""Evaluation: every validation or test loader once, without gradients, outputs in dataset order."""
+
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from backends import TrainerBackend
+from framework.arguments import TrainerArguments
+from framework.hooks import HookDispatcher
+from framework.metrics import MetricCollector, reduce_metrics
+from framework.module import ModuleInterface, as_loader_dict
+from framework.stage import Stage
+from framework.step_outputs import as_outputs, concatenate_outputs
+
+
+class Evaluator:
+    """Runs the module's validation or test loaders and records what they measured.
+
+    For each loader: ``on_begin_<stage>_epoch``, the step method on every batch under
+    ``torch.no_grad()``, the outputs of every rank gathered in dataset order, then
+    ``on_end_<stage>_epoch`` with them; the mean of the first output becomes
+    ``<stage>_loss`` (``/<name>`` for named loaders), next to what the steps and the hook logged.
+
+    Args:
+        module: the user's module.
+        runner: the step dispatcher (unwrapped: evaluation needs no gradient sync).
+        backend: the trainer's backend.
+        hooks: the trainer's hook dispatcher.
+        args: the run's arguments (batch size, batch limits, seed).
+        record: called with each loader's metrics (history, writers, ``on_log_metrics``).
+
+    Example:
+        evaluator = Evaluator(module, runner, backend, hooks, args, record=print)
+        metrics = evaluator.run(Stage.VAL, global_step=100)
+    """
+
+    def __init__(
+        self,
+        module: ModuleInterface,
+        runner: torch.nn.Module,
+        backend: TrainerBackend,
+        hooks: HookDispatcher,
+        args: TrainerArguments,
+        record: Callable[[Dict[str, float]], None],
+    ) -> None:
+        self.module = module
+        self.runner = runner
+        self.backend = backend
+        self.hooks = hooks
+        self.args = args
+        self.record = record
+
+    def loaders(self, stage: Stage, batch_size: int) -> Dict[str, Any]:
+        """The module's loaders for ``stage`` as ``{name: loader}`` (``""`` for a single one)."""
+        sampler = self.backend.sampler_factory(shuffle=False, seed=self.args.seed)
+        get_loaders = self.module.get_val_dataloaders if stage is Stage.VAL else self.module.get_test_dataloaders
+        return as_loader_dict(get_loaders(sampler, batch_size), get_loaders.__name__)
+
+    def run(self, stage: Stage, global_step: int, batch_size: int, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
+        """Evaluate every loader of ``stage``; with ``record=False`` (sanity checks) only run the steps."""
+        results: Dict[str, float] = {}
+        was_training = self.module.training
+        previous_logger, collector = self.module.__dict__.get("_metric_logger"), MetricCollector()
+        self.module.__dict__["_metric_logger"] = collector
+        self.module.eval()
+        try:
+            for key, loader in self.loaders(stage, batch_size).items():
+                if record:
+                    self.hooks.call(f"on_begin_{stage.value}_epoch", global_step, key=key)
+                limit = max_batches or _batch_limit(self.args.max_val_steps_per_epoch, loader)
+                collected = self._run_steps(stage, global_step, loader, limit)
+                if not record:
+                    continue
+                outputs = self.backend.strategy.gather_in_dataset_order(concatenate_outputs(collected))
+                suffix = f"/{key}" if key else ""
+                metrics = {f"{stage.value}_loss{suffix}": float(outputs[0].float().mean())} if outputs else {}
+                self.hooks.call(f"on_end_{stage.value}_epoch", global_step, *outputs, key=key)
+                logged = reduce_metrics(collector.pop_epoch(), self.backend.all_reduce, self.backend.device)
+                metrics.update({f"{name}{suffix}": value for name, value in logged.items()})
+                self.record(metrics)
+                results.update(metrics)
+        finally:
+            self.module.train(was_training)
+            self.module.__dict__["_metric_logger"] = previous_logger
+        return results
+
+    def _run_steps(self, stage: Stage, global_step: int, loader: Iterable, limit: Optional[int]) -> List[Tuple[Any, ...]]:
+        collected = []
+        method, device = f"{stage.value}_step", self.backend.device
+        with torch.no_grad():
+            for index, batch in enumerate(loader):
+                if limit is not None and index >= limit:
+                    break
+                batch = self.backend.move_to_device(batch)
+                collected.append(as_outputs(self.backend.forward(self.runner, stage, global_step, batch, device), method))
+        return collected
+
+
+def _batch_limit(limit: Optional[float], loader: Iterable) -> Optional[int]:
+    if limit is None or isinstance(limit, int):
+        return limit
+    return max(1, math.floor(limit * len(loader)))  # type: ignore[arg-type]

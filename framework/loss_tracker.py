@@ -1,0 +1,127 @@
+"""Training-loss bookkeeping kept out of the loop: device-side sums, read back only when logged."""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+_NO_STEP = 2**62
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss became NaN or infinite; raised at the log point that read it.
+
+    Attributes:
+        step: ``global_step`` (optimizer steps finished) when the first non-finite loss was computed.
+    """
+
+    def __init__(self, step: int, value: float) -> None:
+        super().__init__(
+            f"the training loss became {value} at global_step={step} (the first non-finite loss); "
+            "training stopped without saving these weights. Lower the learning rate, clip gradients "
+            "(clip_grads=True) or resume from an earlier checkpoint; set stop_on_nonfinite_loss=False to train on"
+        )
+        self.step = step
+
+
+class LossTracker:
+    """Sums each micro-batch's training loss on the device; nothing is read back per step.
+
+    ``add`` keeps the detached loss; the kept losses are folded into a running sum with one
+    device op when read (at log points and epoch ends) or every 1024 micro-batches. The
+    fold also remembers the first optimizer step whose loss was not finite, so a diverged
+    run can be reported by step without a host sync per step.
+
+    Args:
+        device: where the sums live.
+
+    Example:
+        >>> tracker = LossTracker(torch.device("cpu"))
+        >>> tracker.start_epoch()
+        >>> for step, loss in enumerate([1.0, 3.0]):
+        ...     tracker.add(torch.tensor(loss), step)
+        >>> float(tracker.interval_mean()), float(tracker.epoch_mean())
+        (2.0, 2.0)
+    """
+
+    _FOLD_EVERY = 1024
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._unsummed: List[torch.Tensor] = []
+        self._unsummed_steps: List[int] = []
+        self._epoch_sum = torch.zeros((), device=device)
+        self._epoch_count = 0
+        self._logged_sum = self._epoch_sum.clone()
+        self._logged_count = 0
+        self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.long, device=device)
+
+    def start_epoch(self) -> None:
+        """Forget the previous epoch's sums."""
+        self._unsummed.clear()
+        self._unsummed_steps.clear()
+        self._epoch_sum = torch.zeros((), device=self.device)
+        self._epoch_count = 0
+        self._logged_sum, self._logged_count = self._epoch_sum.clone(), 0
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        """Keep one micro-batch's loss (taken during optimizer step ``step``, counted from 0)."""
+        self._unsummed.append(loss.detach())
+        self._unsummed_steps.append(step)
+        self._epoch_count += 1
+        if len(self._unsummed) >= self._FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        if not self._unsummed:
+            return
+        losses = torch.stack([loss.float().reshape(()) for loss in self._unsummed])
+        self._epoch_sum += losses.sum()
+        steps = torch.tensor(self._unsummed_steps, device=self.device)
+        first_here = torch.where(torch.isfinite(losses), _NO_STEP, steps).min()
+        seen_before = self._first_bad_step < _NO_STEP
+        self._first_bad_step = torch.where(seen_before, self._first_bad_step, first_here)
+        self._unsummed.clear()
+        self._unsummed_steps.clear()
+
+    @property
+    def has_unlogged(self) -> bool:
+        """True when losses were added since the last :meth:`mark_logged`."""
+        return self._epoch_count > self._logged_count
+
+    def interval_mean(self) -> torch.Tensor:
+        """Mean loss since the last :meth:`mark_logged` (a device tensor)."""
+        self._fold()
+        return (self._epoch_sum - self._logged_sum) / max(self._epoch_count - self._logged_count, 1)
+
+    def mark_logged(self) -> None:
+        """The interval so far has been written."""
+        self._logged_sum, self._logged_count = self._epoch_sum.clone(), self._epoch_count
+
+    def epoch_mean(self) -> Optional[torch.Tensor]:
+        """Mean loss of the epoch so far, or None before the first micro-batch."""
+        self._fold()
+        return self._epoch_sum / self._epoch_count if self._epoch_count else None
+
+    def first_nonfinite_step(self) -> Optional[int]:
+        """The step whose loss was first NaN/inf, or None (reads the device: call when a read is due)."""
+        self._fold()
+        step = int(self._first_bad_step)
+        return None if step == _NO_STEP else step
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Sums and counts (per rank), so a mid-epoch resume logs the same means."""
+        self._fold()
+        return {
+            "running_loss": self._epoch_sum.detach().cpu(),
+            "running_count": self._epoch_count,
+            "logged_loss": self._logged_sum.detach().cpu(),
+            "logged_count": self._logged_count,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.start_epoch()
+        self._epoch_sum = state["running_loss"].to(self.device)
+        self._epoch_count = int(state["running_count"])
+        self._logged_sum = state["logged_loss"].to(self.device)
+        self._logged_count = int(state["logged_count"])

@@ -57,8 +57,8 @@ class LossTracker:
 
     def start_epoch(self) -> None:
         """Forget the previous epoch's sums."""
-        self._unsummed.clear()
-        self._unsummed_steps.clear()
+        self._unsummed = []
+        self._unsummed_steps = []
         self._epoch_sum = torch.zeros((), device=self.device)
         self._epoch_count = 0
         self._logged_sum, self._logged_count = self._epoch_sum.clone(), 0
@@ -80,8 +80,8 @@ class LossTracker:
         first_here = torch.where(torch.isfinite(losses), _NO_STEP, steps).min()
         seen_before = self._first_bad_step < _NO_STEP
         self._first_bad_step = torch.where(seen_before, self._first_bad_step, first_here)
-        self._unsummed.clear()
-        self._unsummed_steps.clear()
+        self._unsummed = []
+        self._unsummed_steps = []
 
     @property
     def has_unlogged(self) -> bool:
@@ -109,13 +109,16 @@ class LossTracker:
         return None if step == _NO_STEP else step
 
     def state_dict(self) -> Dict[str, Any]:
-        """Sums and counts (per rank), so a mid-epoch resume logs the same means."""
-        self._fold()
+        """Sums, counts and the losses not folded yet (per rank), so a mid-epoch resume logs
+        the same means to the last bit: saving does not change where sums are folded."""
         return {
             "running_loss": self._epoch_sum.detach().cpu(),
             "running_count": self._epoch_count,
             "logged_loss": self._logged_sum.detach().cpu(),
             "logged_count": self._logged_count,
+            "unsummed_losses": [loss.cpu() for loss in self._unsummed],
+            "unsummed_steps": list(self._unsummed_steps),
+            "first_nonfinite_step": int(self._first_bad_step),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -125,3 +128,6 @@ class LossTracker:
         self._epoch_count = int(state["running_count"])
         self._logged_sum = state["logged_loss"].to(self.device)
         self._logged_count = int(state["logged_count"])
+        self._unsummed = [loss.to(self.device) for loss in state.get("unsummed_losses", [])]
+        self._unsummed_steps = [int(step) for step in state.get("unsummed_steps", [])]
+        self._first_bad_step.fill_(int(state.get("first_nonfinite_step", _NO_STEP)))

@@ -13,6 +13,10 @@ Kill points (each fires once: a marker file under ``<out>/kills`` records it):
 
 Under torchrun, ``spec@R`` makes rank ``R`` kill itself (default: ``--kill-rank``, 0).
 
+``--signal mb:E:I=SIGTERM@R`` instead sends a real signal to this process at that point (once),
+so preemption can be tested at chosen steps; ``--step-sleep`` slows every step down so a test
+can signal the process from outside while it trains.
+
 Example:
     python tests/resume_script.py /tmp/run --kill mb:1:17 --kill begin:2   # dies, rerun to finish
 """
@@ -22,6 +26,7 @@ import io
 import os
 import signal
 import sys
+import time
 from typing import IO, Any, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,13 +55,20 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--kill", action="append", default=[], help="mb:E:I, begin:E or save:S, optionally @rank")
     parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--signal", action="append", default=[], help="mb:E:I=SIGNAME, optionally @rank")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every train_step")
+    parser.add_argument("--max-steps", type=int, default=None)
     return parser.parse_args(argv)
 
 
 class LoggingToy(ToyModule):
     """The toy MLP with dropout, which also logs a per-step accuracy (an epoch metric)."""
 
+    step_sleep = 0.0
+
     def train_step(self, global_step, batch, device):
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
         x, y = batch
         logits = self.net(x)
         self.log("train_acc", (logits.argmax(1) == y).float().mean())
@@ -95,8 +107,9 @@ def specs_for_rank(specs: List[str], rank: int, default_rank: int) -> List[str]:
 class Killer(Callback):
     """SIGKILLs this process at the ``mb:`` and ``begin:`` kill points."""
 
-    def __init__(self, out: str, specs: List[str]) -> None:
+    def __init__(self, out: str, specs: List[str], signals: List[str] = ()) -> None:
         self.out, self.specs = out, specs
+        self.signals = [tuple(spec.split("=")) for spec in signals]
         self.trainer: Any = None
         self.epoch, self.index = 0, 0
 
@@ -116,6 +129,16 @@ class Killer(Callback):
         if spec in self.specs and _claim(self.out, spec):
             print(f"KILLING at {spec}", flush=True)
             die()
+        for point, name in self.signals:
+            if point == spec and _claim(self.out, f"{point}={name}"):
+                print(f"SIGNALLING {name} at {spec} (step {self.trainer.global_steps_finished})", flush=True)
+                os.kill(os.getpid(), signal.Signals[name])
+
+    def on_begin_train(self, global_step: int) -> None:
+        print(f"STARTED at step {global_step}", flush=True)
+
+    def on_end_optimizer_step(self, global_step: int) -> None:
+        print(f"STEP {global_step}", flush=True)
 
 
 class _HalfThenDie(io.RawIOBase):
@@ -178,13 +201,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         disable_tqdm=True,
         output_dir=options.out,
         seed=7,
+        max_steps=options.max_steps,
         checkpointer_args=checkpointer_args,
     )
     module = LoggingToy(n_train=options.n_train, n_val=32, dropout=0.2, lr=0.1)
+    module.step_sleep = options.step_sleep
     rank = int(os.environ.get("RANK", 0))
     specs = specs_for_rank(options.kill, rank, options.kill_rank)
     checkpointer = CrashingCheckpointer(checkpointer_args, out=options.out, specs=specs)
-    killer = Killer(options.out, specs)
+    killer = Killer(options.out, specs, specs_for_rank(options.signal, rank, options.kill_rank))
     trainer = Trainer(module, args, checkpointer=checkpointer, callbacks=[killer])
     try:
         history = trainer.train()

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, Dict, List
 
 import pytest
@@ -154,3 +155,71 @@ def test_truncated_newest_checkpoint_is_reported_and_skipped(tmp_path, reference
     assert loaded_step(process) == max(s for s in range(newest_step) if s % SAVE_EVERY == 0 or s % STEPS_PER_EPOCH == 0)
     assert_same_run(reference, result(tmp_path))
     assert_all_checkpoints_load(tmp_path)  # the truncated file was replaced by the resumed run's save
+
+
+# -- preemption: real signals ------------------------------------------------------------
+
+
+def checkpoint_steps(out: os.PathLike) -> List[int]:
+    return [int(name[len("checkpoint-") : -len(".pt")]) for name in checkpoint_files(out)]
+
+
+def test_sigterm_saves_at_the_step_boundary_exits_75_and_resumes_bitwise(tmp_path, reference):
+    # The signal arrives after micro-batch 17 of epoch 1, inside the accumulation cycle of
+    # micro-batches 16-19: the step finishes, its checkpoint is written, the run exits 75.
+    process = run_script(tmp_path, "--signal", "mb:1:17=SIGTERM")
+    assert process.returncode == 75, f"{process.returncode}\n{process.stdout}\n{process.stderr}"
+    stop_step = STEPS_PER_EPOCH + 17 // ACCUMULATION + 1
+    assert f"SIGTERM received: saving a checkpoint at step {stop_step}" in process.stderr, process.stderr
+    assert f"STEP {stop_step}\n" in process.stdout and f"STEP {stop_step + 1}\n" not in process.stdout
+    assert checkpoint_steps(tmp_path)[-1] == stop_step
+    assert_all_checkpoints_load(tmp_path)
+
+    process = finish(tmp_path, "--signal", "mb:1:17=SIGTERM")
+    assert loaded_step(process) == stop_step
+    assert_same_run(reference, result(tmp_path))
+
+
+def _start(out: os.PathLike, *arguments: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, str(out), *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def _wait_for_line(process: subprocess.Popen, prefix: str) -> List[str]:
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"the run ended before printing {prefix!r}: {''.join(lines)}{process.stderr.read()}")
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGUSR1"])
+def test_signal_from_outside_while_training_stops_cleanly_and_resumes_bitwise(tmp_path, reference, signal_name):
+    process = _start(tmp_path, "--step-sleep", "0.05")
+    _wait_for_line(process, "STEP 3")
+    sent = time.monotonic()
+    process.send_signal(getattr(signal, signal_name))
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 75, f"{process.returncode}\n{stdout}\n{stderr}"
+    assert time.monotonic() - sent < 10
+    stop_step = checkpoint_steps(tmp_path)[-1]
+    assert f"{signal_name} received: saving a checkpoint at step {stop_step}" in stderr
+    finish(tmp_path)
+    assert_same_run(reference, result(tmp_path))
+
+
+def test_second_signal_aborts_at_once_and_keeps_the_previous_checkpoint(tmp_path):
+    process = _start(tmp_path, "--step-sleep", "3", "--save-every", "1")
+    _wait_for_line(process, "STEP 1")
+    process.send_signal(signal.SIGTERM)  # the next step boundary is ~3 s away
+    time.sleep(0.5)
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGTERM
+    assert time.monotonic() - sent < 2.5  # did not wait for the step to finish
+    assert checkpoint_steps(tmp_path) == [1]
+    assert_all_checkpoints_load(tmp_path)

@@ -13,7 +13,7 @@ Kill points (each fires once: a marker file under ``<out>/kills`` records it):
 
 Under torchrun, ``spec@R`` makes rank ``R`` kill itself (default: ``--kill-rank``, 0).
 
-``--signal mb:E:I=SIGTERM@R`` instead sends a real signal to this process at that point (once),
+``--send-signal mb:E:I=SIGTERM@R`` instead sends a real signal to this process at that point (once),
 so preemption can be tested at chosen steps; ``--step-sleep`` slows every step down so a test
 can signal the process from outside while it trains.
 
@@ -55,7 +55,7 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--async-save", action="store_true")
     parser.add_argument("--kill", action="append", default=[], help="mb:E:I, begin:E or save:S, optionally @rank")
     parser.add_argument("--kill-rank", type=int, default=0)
-    parser.add_argument("--signal", action="append", default=[], help="mb:E:I=SIGNAME, optionally @rank")
+    parser.add_argument("--send-signal", action="append", default=[], help="mb:E:I=SIGNAME, optionally @rank")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every train_step")
     parser.add_argument("--max-steps", type=int, default=None)
     return parser.parse_args(argv)
@@ -209,7 +209,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     rank = int(os.environ.get("RANK", 0))
     specs = specs_for_rank(options.kill, rank, options.kill_rank)
     checkpointer = CrashingCheckpointer(checkpointer_args, out=options.out, specs=specs)
-    killer = Killer(options.out, specs, specs_for_rank(options.signal, rank, options.kill_rank))
+    killer = Killer(options.out, specs, specs_for_rank(options.send_signal, rank, options.kill_rank))
     trainer = Trainer(module, args, checkpointer=checkpointer, callbacks=[killer])
     try:
         history = trainer.train()

@@ -167,7 +167,7 @@ def checkpoint_steps(out: os.PathLike) -> List[int]:
 def test_sigterm_saves_at_the_step_boundary_exits_75_and_resumes_bitwise(tmp_path, reference):
     # The signal arrives after micro-batch 17 of epoch 1, inside the accumulation cycle of
     # micro-batches 16-19: the step finishes, its checkpoint is written, the run exits 75.
-    process = run_script(tmp_path, "--signal", "mb:1:17=SIGTERM")
+    process = run_script(tmp_path, "--send-signal", "mb:1:17=SIGTERM")
     assert process.returncode == 75, f"{process.returncode}\n{process.stdout}\n{process.stderr}"
     stop_step = STEPS_PER_EPOCH + 17 // ACCUMULATION + 1
     assert f"SIGTERM received: saving a checkpoint at step {stop_step}" in process.stderr, process.stderr
@@ -175,7 +175,7 @@ def test_sigterm_saves_at_the_step_boundary_exits_75_and_resumes_bitwise(tmp_pat
     assert checkpoint_steps(tmp_path)[-1] == stop_step
     assert_all_checkpoints_load(tmp_path)
 
-    process = finish(tmp_path, "--signal", "mb:1:17=SIGTERM")
+    process = finish(tmp_path, "--send-signal", "mb:1:17=SIGTERM")
     assert loaded_step(process) == stop_step
     assert_same_run(reference, result(tmp_path))
 

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")
 
 
-def torchrun(out: os.PathLike, *arguments: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
+def torchrun(out: os.PathLike, *arguments: str, max_restarts: int = 0, expect_returncode: int = 0) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -34,7 +34,7 @@ def torchrun(out: os.PathLike, *arguments: str, max_restarts: int = 0) -> subpro
         SCRIPT, str(out), "--backend", "ddp", "--async-save", *arguments,
     ]
     process = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert process.returncode == 0, f"torchrun failed ({process.returncode}):\n{process.stdout[-4000:]}\n{process.stderr[-6000:]}"
+    assert process.returncode == expect_returncode, f"torchrun ended with {process.returncode} ({process.returncode}):\n{process.stdout[-4000:]}\n{process.stderr[-6000:]}"
     return process
 
 
@@ -62,3 +62,28 @@ def test_torchrun_max_restarts_recovers_killed_workers(tmp_path):
     ]
     for got, want in zip(resumed["history"], reference["history"]):
         assert abs(got["value"] - want["value"]) <= 1e-6 * max(1.0, abs(want["value"])), (got, want)
+
+
+def test_ranks_signalled_at_different_steps_agree_on_one_stop_step_and_resume(tmp_path):
+    # Rank 0 gets SIGTERM during step 11, rank 1 only during step 13 (2 micro-batches per step):
+    # both must save the same step (one past the later one, 14) and exit 75; rerunning the
+    # same command resumes and ends where an uninterrupted run ends.
+    reference_dir, preempted_dir = tmp_path / "uninterrupted", tmp_path / "preempted"
+    torchrun(reference_dir)
+    reference = result(reference_dir)
+
+    signals = ("--send-signal", "mb:1:5=SIGTERM@0", "--send-signal", "mb:1:9=SIGTERM@1")
+    process = torchrun(preempted_dir, *signals, expect_returncode=1)
+    output = process.stdout + process.stderr
+    assert "SIGNALLING SIGTERM at mb:1:5 (step 10)" in output and "SIGNALLING SIGTERM at mb:1:9 (step 12)" in output
+    assert "saving a checkpoint at step 14" in output and "exitcode  : 75" in output, output[-3000:]
+    assert "STEP 14" in output and "STEP 15" not in output
+    saved = sorted(name for name in os.listdir(preempted_dir / "checkpoints") if name.endswith(".pt"))
+    assert saved[-1] == "checkpoint-000000014.pt"
+
+    process = torchrun(preempted_dir, *signals)
+    assert "loaded checkpoint" in process.stdout + process.stderr
+    resumed = result(preempted_dir)
+    assert resumed["step"] == reference["step"]
+    difference = (resumed["params"] - reference["params"]).abs().max().item()
+    assert difference <= 1e-6, f"max |param diff| = {difference}"

@@ -15,6 +15,7 @@ from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.progress import ProgressBar
 from framework.checkpoint import AbstractCheckpointer, Checkpoint, DefaultCheckpointer
+from framework import checks
 from framework.hooks import TrainingHooks
 from framework.logging_setup import configure_logging
 from framework.config import resolved_config
@@ -119,6 +120,7 @@ class Trainer:
         self._last_validation_step: Optional[int] = None
         self._time_is_up = False
         self._start_time = 0.0
+        self._first_loss_checked = False
         seed_everything(args.seed)
         module.to(self.device)
 
@@ -238,6 +240,7 @@ class Trainer:
         if not self.args.tbptt_steps:
             with self.backend.no_sync(wrapped, skip_gradient_sync=skip_sync):
                 outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, batch, device), "train_step")
+                self._check_first_loss(outputs[0])
                 self.backend.backward(outputs[0] / cycle_length if cycle_length > 1 else outputs[0])
             self._call_hook("on_end_backward", step, outputs[0])
             return outputs
@@ -248,6 +251,7 @@ class Trainer:
                 outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, chunk, device, hiddens), "train_step")
                 if len(outputs) < 2:
                     raise TypeError("with tbptt_steps set, train_step(global_step, batch, device, hiddens) must return (loss, hiddens, ...)")
+                self._check_first_loss(outputs[0])
                 self.backend.backward(outputs[0] / (cycle_length * len(chunks)))
             self._call_hook("on_end_backward", step, outputs[0])
             hiddens = map_tensors(outputs[1], torch.Tensor.detach)
@@ -262,6 +266,7 @@ class Trainer:
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=False)
             outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, self.global_steps_finished, batch, self.device), "train_step")
+            self._check_first_loss(outputs[0])
             self.backend.backward(outputs[0])
             self._clip_gradients()
             if not first_outputs:
@@ -271,6 +276,11 @@ class Trainer:
 
         self._optimizer_step(closure)
         return first_outputs[0]
+
+    def _check_first_loss(self, loss: torch.Tensor) -> None:
+        if not self._first_loss_checked:  # checks.py: once per run, no per-step cost
+            checks.check_loss_requires_grad(loss, self.module)
+            self._first_loss_checked = True
 
     def _clip_gradients(self) -> None:
         args = self.args
@@ -397,6 +407,8 @@ class Trainer:
         sampler = self.backend.sampler_factory(shuffle=False, seed=args.seed)
         get_loaders = self.module.get_val_dataloaders if stage is Stage.VAL else self.module.get_test_dataloaders
         loaders = as_loader_dict(get_loaders(sampler, batch_size), get_loaders.__name__)
+        if not loaders and stage is Stage.TEST:
+            checks.report_no_loaders(get_loaders.__name__)
         results: Dict[str, float] = {}
         was_training = self.module.training
         train_metrics, eval_metrics = self._metrics, MetricCollector()
@@ -506,6 +518,7 @@ class Trainer:
             return
         sampler = self.backend.sampler_factory(shuffle=True, seed=self.args.seed)
         self._train_loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
+        checks.check_train_dataloader(self._train_loader)
         try:
             length = len(self._train_loader)
         except TypeError:
@@ -513,6 +526,7 @@ class Trainer:
         if length is not None and self.backend.world_size > 1:
             length = int(self.backend.all_reduce(torch.tensor(length, device=self.device), "min"))
         self._loader_length = length
+        checks.check_train_loader_not_empty(self._train_loader, length, self.train_step_batch_size)
 
     def _setup_training(self) -> None:
         self._create_train_loader()
@@ -520,12 +534,9 @@ class Trainer:
             self._wrapped = self.backend.wrap_module(self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
-            optimizers, schedulers = self.module.get_optimizers_schedulers(
-                self.estimated_global_steps_per_epoch, self.args.epochs
+            self.optimizers, self.schedulers = checks.check_optimizers_schedulers(
+                self.module.get_optimizers_schedulers(self.estimated_global_steps_per_epoch, self.args.epochs)
             )
-            self.optimizers, self.schedulers = list(optimizers), list(schedulers or [])
-            if not self.optimizers:
-                raise ValueError("get_optimizers_schedulers returned no optimizer; return ([optimizer, ...], [schedulers])")
             self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
             if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
                 raise ValueError(
@@ -574,6 +585,7 @@ class Trainer:
         """Hand each callback the trainer; look hooks up afresh (callbacks may have changed)."""
         for callback in self.callbacks:
             callback.setup(self)
+        checks.check_hook_signatures(self.module, *self.callbacks)
         self._hooks = {}
 
     def _call_hook(self, name: str, *arguments: Any, **keywords: Any) -> None:
@@ -645,11 +657,15 @@ class Trainer:
                 )
         if checkpoint is None:
             return
-        self.module.update_state(checkpoint.module_state)
+        path = getattr(self.checkpointer, "loaded_from", None)
+        with checks.naming_missing_keys(path, "module state"):
+            self.module.update_state(checkpoint.module_state)
         if self.checkpointer.restores_model_only():  # reset_optimizers_schedulers: weights only
             return
-        self.backend.update_state(checkpoint.backend_state)
-        self.update_state(checkpoint.trainer_state)
+        checks.check_optimizer_state_compatible(checkpoint.trainer_state, self.optimizers, self.schedulers, path)
+        with checks.naming_missing_keys(path, "trainer state"):
+            self.backend.update_state(checkpoint.backend_state)
+            self.update_state(checkpoint.trainer_state)
 
     def get_state(self) -> Dict[str, Any]:
         """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,

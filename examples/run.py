@@ -12,9 +12,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from digits import DigitsArguments, DigitsClassifier  # noqa: E402
 
-from framework import Trainer  # noqa: E402
+from framework import Trainer, seed_everything  # noqa: E402
 from framework.config import parse_config  # noqa: E402
-from framework.rng import seed_everything  # noqa: E402
 
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.yaml")

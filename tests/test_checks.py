@@ -298,3 +298,41 @@ def test_a_missing_key_in_the_trainer_state_names_the_key_and_the_file(tmp_path)
     with pytest.raises(CheckpointMismatch, match=rf"checkpoint (file://)?{path}: its trainer state has no 'optimizers' entry"):
         Trainer(Optimizers("one"), arguments(tmp_path, max_steps=4, checkpointer_args=resume)).train()
 
+
+
+# -- load_weights -----------------------------------------------------------------------------
+def test_load_weights_last_best_step_and_file_without_a_trainer(tmp_path):
+    from framework.checkpoint import load_weights
+    from toy import flat_parameters
+
+    directory = str(tmp_path / "ckpt")
+    saving = DefaultCheckpointerArguments(save_dir=directory, period=1)
+    trainer = Trainer(ToyModule(), arguments(tmp_path, epochs=3, train_batch_size=64, checkpointer_args=saving))
+    history = trainer.train()
+    trained = flat_parameters(trainer.module)
+    fresh = ToyModule(seed=5)
+    assert load_weights(fresh, directory).endswith("checkpoint-000000012.pt")  # "last"
+    assert torch.equal(flat_parameters(fresh), trained)
+    val_losses = dict(history.steps("val_loss"))
+    best_step = min(val_losses, key=val_losses.get)
+    assert load_weights(ToyModule(seed=5), directory, step="best").endswith(f"checkpoint-{best_step:09d}.pt")
+    worst = load_weights(ToyModule(seed=5), directory, step="best", mode="max")
+    assert worst.endswith(f"checkpoint-{max(val_losses, key=val_losses.get):09d}.pt")
+    by_step = ToyModule(seed=5)
+    load_weights(by_step, directory, step=4)
+    assert not torch.equal(flat_parameters(by_step), trained)
+    plain = torch.nn.Sequential(*ToyModule().net)  # not a ModuleInterface: its state_dict is loaded
+    wrapped = torch.nn.Module()
+    wrapped.net = plain
+    load_weights(wrapped, os.path.join(directory, "checkpoint-000000012.pt"))
+    assert torch.equal(flat_parameters(wrapped), trained)
+    export = trainer.save_model_checkpoint()  # model-*.pt: the module state alone
+    from_export = ToyModule(seed=5)
+    load_weights(from_export, export)
+    assert torch.equal(flat_parameters(from_export), trained)
+    with pytest.raises(FileNotFoundError, match="checkpoint-000000005.pt' does not exist"):
+        load_weights(ToyModule(), directory, step=5)
+    with pytest.raises(ValueError, match=r"no checkpoint in .* has a recorded 'accuracy'"):
+        load_weights(ToyModule(), directory, step="best", metric="accuracy")
+    with pytest.raises(ValueError, match=r"step='first' is invalid; allowed: 'last', 'best' or an optimizer step"):
+        load_weights(ToyModule(), directory, step="first")

@@ -8,6 +8,7 @@ from framework.arguments import TrainerArguments
 from framework.loss_tracker import TrainingDiverged
 from framework.module import ModuleInterface
 from framework.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+from framework.rng import seed_everything
 from framework.stage import Stage
 from framework.trainer import Trainer
 
@@ -19,5 +20,6 @@ __all__ = [
     "TrainingDiverged",
     "TrainingPreempted",
     "PREEMPTED_EXIT_CODE",
+    "seed_everything",
 ]
 __version__ = "0.1.0"

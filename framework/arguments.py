@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
+from framework.typed_fields import check_field_types
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -76,7 +77,7 @@ class TrainerArguments:
     use_gpu: Optional[bool] = None
     """None: a GPU when present; True: require one; False: CPU."""
     seed: int = 42
-    """Seeds python, numpy and torch, and the shuffling order."""
+    """Seeds python, numpy and torch, and the shuffling order (0 to 2**32 - 1)."""
     log_every_n_steps: int = 50
     """Read losses back from the device and write them every N optimizer steps."""
     disable_tqdm: bool = False
@@ -98,6 +99,7 @@ class TrainerArguments:
     def __post_init__(self) -> None:
         if isinstance(self.checkpointer_args, dict):
             self.checkpointer_args = DefaultCheckpointerArguments(**self.checkpointer_args)
+        check_field_types(self, "TrainerArguments")  # types first: the range checks below compare numbers
         _require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")
         _require(self.min_epochs >= 0, "min_epochs", self.min_epochs, "an integer >= 0")
         _require(self.train_batch_size >= 1, "train_batch_size", self.train_batch_size, "an integer >= 1")
@@ -117,6 +119,7 @@ class TrainerArguments:
         _require(self.clip_grad_value is None or self.clip_grad_value > 0, "clip_grad_value", self.clip_grad_value, "None or > 0")
         _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
         _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")
+        _require(0 <= self.seed < 2**32, "seed", self.seed, "an integer from 0 to 2**32 - 1 (numpy's seed range)")
         _require(self.log_every_n_steps >= 1, "log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
         _require(self.ddp_timeout > 0, "ddp_timeout", self.ddp_timeout, "seconds > 0")
         _require(str(self.log_level).upper() in _LOG_LEVELS, "log_level", self.log_level, f"one of {_LOG_LEVELS}")

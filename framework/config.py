@@ -100,6 +100,7 @@ def parse_config(
     sections: Optional[Mapping[str, Type]] = None,
     argv: Optional[Sequence[str]] = None,
     program: str = "run.py",
+    exit_on_error: Optional[bool] = None,
 ) -> RunConfig:
     """Build every section from defaults, then ``--config FILE``, then CLI overrides.
 
@@ -107,11 +108,15 @@ def parse_config(
         sections: extra ``{name: dataclass}`` sections (the user's own); ``trainer`` and
             ``checkpointer`` are always there.
         argv: command-line arguments (default: ``sys.argv[1:]``).
-        program: the name shown by ``--help``.
+        program: the name shown by ``--help`` and in error messages.
+        exit_on_error: print ``usage`` and ``<program>: error: <message>`` to stderr and exit
+            with status 2 (as argparse does) instead of raising :class:`ConfigError`.
+            Default: True when ``argv`` is None (a real command line), else False.
 
     Raises:
         ConfigError: unknown keys (with a suggestion), bad values, a missing file.
-        SystemExit: after printing the help for ``-h``/``--help``.
+        SystemExit: after printing the help for ``-h``/``--help`` (status 0), or a config
+            error with ``exit_on_error`` (status 2).
 
     Example:
         >>> from dataclasses import dataclass
@@ -129,6 +134,8 @@ def parse_config(
         if not name.isidentifier():
             raise ValueError(f"section name {name!r} must be an identifier (letters, digits, underscores)")
         classes[name] = cls
+    if exit_on_error is None:
+        exit_on_error = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         rest = [arg for arg in argv if arg not in ("-h", "--help")]
@@ -138,7 +145,17 @@ def parse_config(
             current = None
         print(format_help(classes, program, current))
         raise SystemExit(0)
-    return _build(classes, argv)
+    try:
+        return _build(classes, argv)
+    except ConfigError as error:
+        if not exit_on_error:
+            raise
+        print(f"{_usage(program)}\n{program}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _usage(program: str) -> str:
+    return f"usage: {program} [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--backend NAME]  (--help lists every field)"
 
 
 def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
@@ -449,7 +466,7 @@ def format_help(classes: Mapping[str, Type], program: str = "run.py", current: O
     """The ``--help`` text: every section and field with type, default and description;
     with ``current`` (the other arguments, parsed), values that differ from the defaults."""
     lines = [
-        f"usage: {program} [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--backend NAME]",
+        _usage(program).split("  (")[0],
         "",
         "Values come from the field defaults, then --config, then the command line.",
         "A boolean field given without a value is set to true. --backend NAME is --trainer.backend NAME.",

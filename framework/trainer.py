@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from backends import TrainerBackend, build_backend, map_tensors
+from framework import checks
 from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.progress import ProgressBar
@@ -124,6 +125,7 @@ class Trainer:
         self._time_is_up = False  # agreed by every rank, like _preempted
         self._preempted = False
         self._start_time = 0.0
+        self._first_loss_checked = False
         self.evaluator = Evaluator(module, self._runner, self.backend, self.hooks, args, self._record)
         module.__dict__["_metric_logger"] = self._metrics
         module.__dict__["_trainer"] = self
@@ -276,6 +278,7 @@ class Trainer:
         if not self.args.tbptt_steps:
             with self.backend.no_sync(wrapped, skip_gradient_sync=not sync):
                 outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, batch, device), "train_step")
+                self._check_first_loss(outputs[0])
                 self.backend.backward(outputs[0] / cycle_length if cycle_length > 1 else outputs[0])
             self.hooks.call("on_end_backward", step, outputs[0])
             return outputs
@@ -286,11 +289,17 @@ class Trainer:
                 outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, chunk, device, hiddens), "train_step")
                 if len(outputs) < 2:
                     raise TypeError("with tbptt_steps set, train_step(global_step, batch, device, hiddens) must return (loss, hiddens, ...)")
+                self._check_first_loss(outputs[0])
                 self.backend.backward(outputs[0] / (cycle_length * len(chunks)))
             self.hooks.call("on_end_backward", step, outputs[0])
             hiddens = map_tensors(outputs[1], torch.Tensor.detach)
             total_loss = total_loss + outputs[0].detach()
         return (total_loss / len(chunks), *outputs[1:])
+
+    def _check_first_loss(self, loss: torch.Tensor) -> None:
+        if not self._first_loss_checked:  # once per run
+            checks.check_loss_requires_grad(loss, self.module)
+            self._first_loss_checked = True
 
     def _after_micro_batch(self, outputs: Tuple[Any, ...]) -> None:
         """Keep the loss on the device (and the outputs when asked); ``on_end_train_step``."""
@@ -308,6 +317,7 @@ class Trainer:
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=False)
             outputs = as_outputs(self.backend.forward(self._wrapped, Stage.TRAIN, step, batch, self.device), "train_step")
+            self._check_first_loss(outputs[0])
             self.backend.backward(outputs[0])
             self._clip_gradients()
             if not first_outputs:
@@ -551,11 +561,13 @@ class Trainer:
             return
         sampler = self.backend.sampler_factory(shuffle=True, seed=self.args.seed)
         self._train_loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
+        checks.check_train_dataloader(self._train_loader)
         try:
             length: Optional[int] = len(self._train_loader)
         except TypeError:
             length = None
         self._loader_length = None if length is None else self.backend.strategy.min_over_ranks(length)
+        checks.check_train_loader_not_empty(self._train_loader, self._loader_length, self.train_step_batch_size)
 
     def _setup_training(self) -> None:
         self._create_train_loader()
@@ -563,12 +575,9 @@ class Trainer:
             self._wrapped = self.backend.wrap_module(self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
-            optimizers, schedulers = self.module.get_optimizers_schedulers(
-                self.estimated_global_steps_per_epoch, self.args.epochs
+            self.optimizers, self.schedulers = checks.check_optimizers_schedulers(
+                self.module.get_optimizers_schedulers(self.estimated_global_steps_per_epoch, self.args.epochs)
             )
-            self.optimizers, self.schedulers = list(optimizers), list(schedulers or [])
-            if not self.optimizers:
-                raise ValueError("get_optimizers_schedulers returned no optimizer; return ([optimizer, ...], [schedulers])")
             self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
             if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
                 raise ValueError(
@@ -613,6 +622,7 @@ class Trainer:
         """Hand each callback the trainer; look hooks up afresh (callbacks may have changed)."""
         for callback in self.callbacks:
             callback.setup(self)
+        checks.check_hook_signatures(self.module, *self.callbacks)
         self.hooks.refresh()
 
     # -- checkpoints ----------------------------------------------------------------------
@@ -675,11 +685,15 @@ class Trainer:
             )
         if checkpoint is None:
             return
-        self.module.update_state(checkpoint.module_state)
+        path = getattr(self.checkpointer, "loaded_from", None)
+        with checks.naming_missing_keys(path, "module state"):
+            self.module.update_state(checkpoint.module_state)
         if self.checkpointer.restores_model_only():  # reset_optimizers_schedulers: weights only
             return
-        self.backend.update_state(checkpoint.backend_state)
-        self.update_state(checkpoint.trainer_state)
+        checks.check_optimizer_state_compatible(checkpoint.trainer_state, self.optimizers, self.schedulers, path)
+        with checks.naming_missing_keys(path, "trainer state"):
+            self.backend.update_state(checkpoint.backend_state)
+            self.update_state(checkpoint.trainer_state)
 
     def get_state(self) -> Dict[str, Any]:
         """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,

@@ -3,6 +3,8 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from framework.typed_fields import check_field_types
+
 
 @dataclass
 class DefaultCheckpointerArguments:
@@ -48,6 +50,7 @@ class DefaultCheckpointerArguments:
     """Copy state to CPU on the training thread, write it on a background thread (one save in flight)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self, "checkpointer")
         for name in ("period", "keep_best_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

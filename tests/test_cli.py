@@ -1,0 +1,47 @@
+"""Config mistakes on a real command line end with argparse's ``error: <message>`` and status 2, no traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from framework.config import ConfigError, parse_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(arguments, cwd):
+    environment = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, *arguments], cwd=cwd, env=environment, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trainer.epoch", "3"], "examples/run.py: error: unknown config key 'trainer.epoch' (from command line); did you mean 'trainer.epochs'?"),
+        (["--trainer.epochs", "2.5"], "examples/run.py: error: trainer.epochs='2.5' (from command line): expected an integer, got '2.5'"),
+        (["--trainer.epochs", "0"], "examples/run.py: error: section 'trainer': TrainerArguments.epochs=0 is invalid; allowed: an integer >= 1"),
+        (["--config", "missing.yaml"], "examples/run.py: error: config file 'missing.yaml' does not exist"),
+    ],
+)
+def test_the_example_reports_config_errors_like_argparse(tmp_path, argv, message):
+    result = run([os.path.join(ROOT, "examples", "run.py"), *argv], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "usage: examples/run.py [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--backend NAME]  (--help lists every field)",
+        message,
+    ]
+    assert result.stdout == ""
+
+
+def test_parse_config_on_sys_argv_exits_and_with_explicit_argv_raises(tmp_path):
+    script = "from framework.config import parse_config\nparse_config(program='train.py')\nprint('parsed')\n"
+    (tmp_path / "train.py").write_text(script)
+    bad = run(["train.py", "--trainer.max_steps", "many"], cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.splitlines()[-1] == "train.py: error: trainer.max_steps='many' (from command line): expected an integer, got 'many'"
+    good = run(["train.py", "--trainer.epochs", "3"], cwd=tmp_path)
+    assert good.returncode == 0 and good.stdout == "parsed\n"
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.max_step'"):
+        parse_config(argv=["--trainer.max_step", "3"])

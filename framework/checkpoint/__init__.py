@@ -4,5 +4,16 @@ from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.checkpoint import Checkpoint
 from framework.checkpoint.default import DefaultCheckpointer
+from framework.checkpoint.storage import CheckpointRefused, CheckpointWriteError, CorruptCheckpoint
+from framework.run_directory import RunDirectoryInUse
 
-__all__ = ["AbstractCheckpointer", "Checkpoint", "DefaultCheckpointer", "DefaultCheckpointerArguments"]
+__all__ = [
+    "AbstractCheckpointer",
+    "Checkpoint",
+    "CheckpointRefused",
+    "CheckpointWriteError",
+    "CorruptCheckpoint",
+    "DefaultCheckpointer",
+    "DefaultCheckpointerArguments",
+    "RunDirectoryInUse",
+]

@@ -213,7 +213,7 @@ def test_stop_training_saves_the_final_checkpoint_unless_told_not_to(tmp_path):
     for save, expected in [(True, ["checkpoint-000000003.pt"]), (False, [])]:
         directory = tmp_path / f"ckpt-{save}"
         checkpoints = DefaultCheckpointerArguments(save_dir=str(directory), period=0)
-        trainer = Trainer(ToyModule(), make_args(tmp_path, checkpoints), callbacks=[StopAt(3, save)])
+        trainer = Trainer(ToyModule(), make_args(tmp_path / f"out-{save}", checkpoints), callbacks=[StopAt(3, save)])
         trainer.train()
         assert trainer.global_steps_finished == 3
         assert (sorted(os.listdir(directory)) if directory.exists() else []) == expected
@@ -379,7 +379,7 @@ def _two_rank_callbacks(rank: int, out: str):
     stopped = (trainer.epochs_finished, trainer.global_steps_finished, stopper.stopped_step, stopper.best, stopper.wait)
     # 2) A NaN loss on rank 1 only: both ranks stop at the same step.
     guard = TerminateOnNaN()
-    args = TrainerArguments(**{**vars(args), "epochs": 2, "disable_tqdm": True})
+    args = TrainerArguments(**{**vars(args), "epochs": 2, "disable_tqdm": True, "output_dir": os.path.join(out, "nan")})
     nan_trainer = Trainer(NaNAtStep(nan_step=3, nan_rank=1), args, callbacks=[guard])
     with captured_log("framework.callbacks.terminate_on_nan") as messages:
         logging.getLogger("framework").setLevel(logging.WARNING)

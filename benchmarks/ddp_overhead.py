@@ -89,13 +89,14 @@ def framework_loop(
 ) -> float:
     """The framework at its defaults (progress bar off: torchrun output is not a terminal)."""
     device = device_of_rank()
+    run_dir = tempfile.mkdtemp(dir=output_dir)  # a fresh directory per run: a run never reuses another's
     start = time.perf_counter()
     args = TrainerArguments(
         epochs=epochs,
         train_batch_size=global_batch,
         backend=backend,
         seed=0,
-        output_dir=output_dir,
+        output_dir=run_dir,
         disable_tqdm=True,
         log_level="WARNING",
         log_every_n_steps=log_every_n_steps,

@@ -82,7 +82,8 @@ class BenchmarkModule(ModuleInterface):
 
 
 def framework_loop(data: TensorDataset, epochs: int, backend: str, output_dir: str) -> float:
-    args = TrainerArguments(epochs=epochs, train_batch_size=BATCH, backend=backend, seed=0, output_dir=output_dir, use_gpu=False)
+    run_dir = tempfile.mkdtemp(dir=output_dir)  # a fresh directory per run: a run never reuses another's
+    args = TrainerArguments(epochs=epochs, train_batch_size=BATCH, backend=backend, seed=0, output_dir=run_dir, use_gpu=False)
     args.checkpointer_args.period = 0
     args.checkpointer_args.save_at_end = False
     trainer = Trainer(BenchmarkModule(data), args)

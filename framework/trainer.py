@@ -26,6 +26,7 @@ from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
 from framework.module import ModuleInterface, StepRunner
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
+from framework.run_directory import claim_run_directory
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
 from framework.tbptt import split_along_time
@@ -592,6 +593,8 @@ class Trainer:
         self._prepare_callbacks()
         if not self._restored:
             self._restored = True
+            if not self.args.fast_dev_run:  # before anything is written: never overwrite another run's files
+                claim_run_directory(self.args.output_dir, self.checkpointer, self.backend)
             self._restore_checkpoint()
         self._start_writers()
         if self.is_main_process and not self.args.fast_dev_run:

@@ -29,7 +29,10 @@ class CSVWriter(MetricWriter):
     """``metrics.csv`` with columns ``epoch, step, name, value``, one value per row.
 
     On start the file is rewritten from the history, so after a resume it holds exactly the
-    values of the resumed run (nothing from steps that were lost).
+    values of the resumed run (nothing from steps that were lost). The trainer first makes sure
+    the file is its own run's (:func:`framework.run_directory.check_output_dir_free`): a new
+    run refuses an ``output_dir`` holding another run's ``metrics.csv``, so this never
+    truncates another run's values.
 
     Example:
         >>> import tempfile

@@ -130,7 +130,7 @@ def test_early_stopping_ends_training_after_patience_epochs_but_not_before_min_e
     assert stopper.best == history.values("val_loss")[0] and stopper.best_step == 8
 
     stopper = EarlyStopping(patience=2)
-    trainer = Trainer(ToyModule(lr=0.0, scheduler=None), make_args(tmp_path, epochs=10, min_epochs=5), callbacks=[stopper])
+    trainer = Trainer(ToyModule(lr=0.0, scheduler=None), make_args(tmp_path / "min_epochs", epochs=10, min_epochs=5), callbacks=[stopper])
     trainer.train()
     assert trainer.epochs_finished == 5  # asked to stop after 3, honoured once min_epochs were done
 
@@ -163,7 +163,7 @@ def test_callback_states_survive_checkpoint_resume(tmp_path):
 
     resume = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt2"), load_dir=str(tmp_path / "ckpt"), period=0)
     stopper, timer = EarlyStopping(patience=5), Timer()
-    second = Trainer(ToyModule(lr=0.0, scheduler=None), make_args(tmp_path, resume, epochs=4), callbacks=[stopper, timer])
+    second = Trainer(ToyModule(lr=0.0, scheduler=None), make_args(tmp_path / "resumed", resume, epochs=4), callbacks=[stopper, timer])
     history = second.train()
     assert second.epochs_finished == 4 and len(history.values("val_loss")) == 4
     assert stopper.best == first_stopper.best and stopper.best_step == 8
@@ -215,7 +215,7 @@ def test_stop_training_saves_the_final_checkpoint_unless_told_not_to(tmp_path):
     for save, expected in [(True, ["checkpoint-000000003.pt"]), (False, [])]:
         directory = tmp_path / f"ckpt-{save}"
         checkpoints = DefaultCheckpointerArguments(save_dir=str(directory), period=0)
-        trainer = Trainer(ToyModule(), make_args(tmp_path, checkpoints), callbacks=[StopAt(3, save)])
+        trainer = Trainer(ToyModule(), make_args(tmp_path / f"out-{save}", checkpoints), callbacks=[StopAt(3, save)])
         trainer.train()
         assert trainer.global_steps_finished == 3
         assert (sorted(os.listdir(directory)) if directory.exists() else []) == expected
@@ -256,7 +256,7 @@ def test_learning_rate_monitor_records_the_rate_each_logged_step_used(tmp_path):
     assert steps == [2, 4, 6, 8]
     assert history.values("lr") == pytest.approx([0.05 * 0.5 ** ((step - 1) // 3) for step in steps])
 
-    trainer = Trainer(ToyModule(scheduler="step"), make_args(tmp_path, epochs=2), callbacks=[LearningRateMonitor("epoch")])
+    trainer = Trainer(ToyModule(scheduler="step"), make_args(tmp_path / "per_epoch", epochs=2), callbacks=[LearningRateMonitor("epoch")])
     history = trainer.train()
     assert [step for step, _ in history.steps("lr")] == [0, 8]
     assert history.values("lr") == pytest.approx([0.05, 0.05 * 0.5 ** 2])
@@ -333,7 +333,7 @@ def test_progress_bar_resumed_mid_epoch_starts_at_the_resumed_step(tmp_path, cap
     checkpoints = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), period=0, save_every_n_steps=3, save_at_end=False)
     Trainer(ToyModule(val_loaders=0), make_args(tmp_path, checkpoints, epochs=1, max_steps=3)).train()
     resume = DefaultCheckpointerArguments(load_dir=str(tmp_path / "ckpt"), period=0, save_at_end=False)
-    args = make_args(tmp_path, resume, epochs=1, disable_tqdm=False)
+    args = make_args(tmp_path / "resumed", resume, epochs=1, disable_tqdm=False)
     capsys.readouterr()
     trainer = Trainer(ToyModule(val_loaders=0), args, callbacks=[ProgressBar(refresh_seconds=0)])
     trainer.train()
@@ -381,7 +381,7 @@ def _two_rank_callbacks(rank: int, out: str):
     stopped = (trainer.epochs_finished, trainer.global_steps_finished, stopper.stopped_step, stopper.best, stopper.wait)
     # 2) A NaN loss on rank 1 only: both ranks stop at the same step.
     guard = TerminateOnNaN()
-    args = TrainerArguments(**{**vars(args), "epochs": 2, "disable_tqdm": True})
+    args = TrainerArguments(**{**vars(args), "epochs": 2, "disable_tqdm": True, "output_dir": os.path.join(out, "nan")})
     nan_trainer = Trainer(NaNAtStep(nan_step=3, nan_rank=1), args, callbacks=[guard])
     with captured_log("framework.callbacks.terminate_on_nan") as messages:
         logging.getLogger("framework").setLevel(logging.WARNING)

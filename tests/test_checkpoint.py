@@ -338,7 +338,7 @@ def test_ddp_checkpoint_loads_into_sp_and_back(tmp_path):
     directory = str(tmp_path)
     # sp writes a checkpoint after one epoch and another mid-epoch.
     sp_dir = os.path.join(directory, "sp")
-    args = trainer_args(tmp_path, epochs=1, save_dir=sp_dir, save_every_n_steps=3)
+    args = trainer_args(tmp_path / "out-sp", epochs=1, save_dir=sp_dir, save_every_n_steps=3)
     trainer = Trainer(ToyModule(dropout=0.1, scheduler="step", seed=11), args)
     trainer.train()
     sp_params = flat_parameters(trainer.module)
@@ -357,14 +357,14 @@ def test_ddp_checkpoint_loads_into_sp_and_back(tmp_path):
     ddp_dir = os.path.join(directory, "ddp")
     recorder = Recorder()
     args = trainer_args(
-        tmp_path, epochs=3, save_dir=os.path.join(directory, "sp2"), load_filename=os.path.join(ddp_dir, checkpoint_name(ddp_steps))
+        tmp_path / "out-sp2", epochs=3, save_dir=os.path.join(directory, "sp2"), load_filename=os.path.join(ddp_dir, checkpoint_name(ddp_steps))
     )
     Trainer(ToyModule(seed=1, scheduler="step"), args, callbacks=[recorder]).train()
     assert torch.equal(recorder.start["params"], ranks[0]["params"]) and recorder.start["epochs_finished"] == 2
 
     mid = next(step for step in range(sp_steps + 1, ddp_steps) if step % 3 == 0)
     recorder = Recorder()
-    args = trainer_args(tmp_path, save_dir=os.path.join(directory, "sp3"), load_filename=os.path.join(ddp_dir, checkpoint_name(mid)))
+    args = trainer_args(tmp_path / "out-sp3", save_dir=os.path.join(directory, "sp3"), load_filename=os.path.join(ddp_dir, checkpoint_name(mid)))
     Trainer(ToyModule(seed=1, scheduler="step"), args, callbacks=[recorder]).train()
     # ddp: 16 samples per rank per micro-batch; sp: 32 per micro-batch; same samples consumed.
     assert recorder.start["batches_finished_in_epoch"] == (mid - sp_steps)

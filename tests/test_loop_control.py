@@ -45,7 +45,7 @@ def test_validation_every_n_epochs_and_no_duplicate_at_epoch_end(tmp_path):
     trainer = Trainer(ToyModule(scheduler=None), make_args(tmp_path, epochs=4, val_every_n_epochs=2, val_every_n_steps=16))
     trainer.train()
     assert [step for step, _ in trainer.history.steps("val_loss")] == [16, 32, 48, 64]
-    trainer = Trainer(ToyModule(scheduler=None), make_args(tmp_path, epochs=4, val_every_n_epochs=2))
+    trainer = Trainer(ToyModule(scheduler=None), make_args(tmp_path / "epochs_only", epochs=4, val_every_n_epochs=2))
     trainer.train()
     assert [step for step, _ in trainer.history.steps("val_loss")] == [32, 64]
 
@@ -110,7 +110,7 @@ def test_reduce_lr_on_plateau_follows_the_monitored_metric(tmp_path):
     trainer.train()
     # val_loss cannot improve: epochs 2 and 3 each halve the lr.
     assert math.isclose(trainer.optimizers[0].param_groups[0]["lr"], 0.1 * 0.25)
-    trainer = Trainer(PlateauModule(val_loaders=0), make_args(tmp_path, epochs=1, val_every_n_steps=4))
+    trainer = Trainer(PlateauModule(val_loaders=0), make_args(tmp_path / "no_val", epochs=1, val_every_n_steps=4))
     with pytest.raises(ValueError, match=r"scheduler_monitor='val_loss'"):
         trainer.train()
 
@@ -143,7 +143,7 @@ def test_lbfgs_closure(tmp_path):
     assert module.evaluations > 3  # LBFGS re-evaluated the loss through the closure
     assert F.mse_loss(module.net(x), y).item() < 0.01 * initial
     with pytest.raises(ValueError, match="LBFGS re-evaluates the loss itself"):
-        Trainer(LBFGSRegression(), make_args(tmp_path, train_batch_size=64, gpu_batch_size_limit=32)).train()
+        Trainer(LBFGSRegression(), make_args(tmp_path / "accumulating", train_batch_size=64, gpu_batch_size_limit=32)).train()
 
 
 class SequenceModule(ToyModule):

@@ -167,7 +167,9 @@ def test_tensorboard_writer_writes_every_scalar_once_even_after_a_resume(tmp_pat
     first = Trainer(ToyModule(), make_args(tmp_path, epochs=2, log_every_n_steps=4, tensorboard=True, checkpointer_args=checkpoints))
     first.train()
     # Resume from the epoch-1 checkpoint (step 8): steps 9..16 run again, and are logged again.
-    resume = DefaultCheckpointerArguments(load_filename=str(tmp_path / "ckpt" / "checkpoint-000000008.pt"), period=0, save_at_end=False)
+    resume = DefaultCheckpointerArguments(
+        save_dir=str(tmp_path / "ckpt"), load_filename=str(tmp_path / "ckpt" / "checkpoint-000000008.pt"), period=0, save_at_end=False
+    )
     second = Trainer(ToyModule(), make_args(tmp_path, epochs=2, log_every_n_steps=4, tensorboard=True, checkpointer_args=resume))
     history = second.train()
     assert [step for step, _ in history.steps("train_loss")] == [4, 8, 12, 16]

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -72,7 +73,7 @@ def plugin_dir(tmp_path, monkeypatch):
 
 
 def _args(**overrides) -> TrainerArguments:
-    values = dict(epochs=1, train_batch_size=64, disable_tqdm=True, log_level="WARNING", output_dir="unused")
+    values = dict(epochs=1, train_batch_size=64, disable_tqdm=True, log_level="WARNING", output_dir=tempfile.mkdtemp(prefix="plugins-"))
     values.update(overrides)
     values.setdefault("checkpointer_args", {"period": 0, "save_at_end": False})
     return TrainerArguments(**values)

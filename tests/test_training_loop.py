@@ -76,7 +76,7 @@ def test_max_steps_and_per_epoch_limits_are_exact(tmp_path):
     assert trainer.epochs_finished == 5
     assert counted["val_batches"] == 5 * 2
 
-    trainer = Trainer(ToyModule(scheduler=None), make_args(tmp_path, epochs=5, train_batch_size=16, max_steps=7))
+    trainer = Trainer(ToyModule(scheduler=None), make_args(tmp_path / "max_steps", epochs=5, train_batch_size=16, max_steps=7))
     trainer.train()
     assert trainer.global_steps_finished == 7
 

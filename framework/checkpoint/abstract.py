@@ -9,10 +9,11 @@ from framework.checkpoint.checkpoint import Checkpoint
 class AbstractCheckpointer(abc.ABC):
     """Decides when checkpoints are written, where they go and which one a run resumes from.
 
-    The trainer calls :meth:`save` at every epoch end (``index`` = epochs finished) and, with
-    ``force=True``, on demand, at step triggers and at the end; :meth:`load` once before
-    training. Only rank zero calls :meth:`save`, between barriers that every rank waits at;
-    every rank calls :meth:`load` (all must get the same checkpoint).
+    The trainer calls :meth:`prepare_run` once on rank zero before anything is written, then
+    :meth:`load` once before training; :meth:`save` at every epoch end (``index`` = epochs
+    finished) and, with ``force=True``, on demand, at step triggers and at the end. Only rank
+    zero calls :meth:`save`, between barriers that every rank waits at; every rank calls
+    :meth:`load` (all must get the same checkpoint).
 
     Example:
         >>> class InMemory(AbstractCheckpointer):
@@ -42,6 +43,17 @@ class AbstractCheckpointer(abc.ABC):
         """True when :meth:`save` would keep the epoch-end checkpoint ``epochs_finished`` (the
         trainer builds the checkpoint's state only then)."""
         return True
+
+    def continues_existing_run(self) -> bool:
+        """True when this run is declared to continue the run whose files are already in its
+        directories (e.g. ``resume="auto"``): then those files are its own, not another run's,
+        and ``output_dir`` may be reused."""
+        return False
+
+    def prepare_run(self) -> None:
+        """Called once on rank zero at setup, before anything is written: refuse (raise
+        :class:`framework.run_directory.RunDirectoryInUse`) when the save location holds another
+        run's checkpoints that this run does not continue; tidy leftovers of killed saves."""
 
     def is_step_save_due(self, global_step: int) -> bool:
         """True when a mid-epoch save is due after optimizer step ``global_step``."""

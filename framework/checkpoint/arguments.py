@@ -13,7 +13,9 @@ class DefaultCheckpointerArguments:
     Resuming: with ``resume="auto"`` a run whose ``save_dir`` holds a checkpoint continues
     from the newest readable one (so restarting the same command continues a killed run);
     otherwise ``load_filename``, then the newest readable checkpoint in ``load_dir``; with
-    none of them, or an empty directory, the run starts fresh. See docs/checkpointing.md.
+    none of them, or an empty directory, the run starts fresh. A run that does not continue
+    the run in ``save_dir`` (``resume="auto"``, or ``load_dir``/``load_filename`` inside it)
+    refuses to start there if it holds checkpoints. See docs/checkpointing.md.
 
     Example:
         >>> args = DefaultCheckpointerArguments(save_dir="memory://run1", period=1, keep_last_n=2, resume="auto")
@@ -48,6 +50,8 @@ class DefaultCheckpointerArguments:
     """Load with ``torch.load(weights_only=True)``: a checkpoint cannot run code. False trusts pickled objects."""
     async_save: bool = False
     """Copy state to CPU on the training thread, write it on a background thread (one save in flight)."""
+    save_non_finite: bool = False
+    """Also write checkpoints whose weights or ``metric`` hold NaN/inf (default: skip them with a warning)."""
 
     def __post_init__(self) -> None:
         check_field_types(self, "checkpointer")

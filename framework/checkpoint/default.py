@@ -14,13 +14,18 @@ from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.async_writer import BackgroundWriter
 from framework.checkpoint.checkpoint import Checkpoint
+from framework.checkpoint.finite import best_first, first_non_finite_tensor, is_finite_score
+from framework.run_directory import RunDirectoryInUse, ways_on
 
 logger = logging.getLogger(__name__)
 
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
-_CHECKPOINT_TEMPORARY = re.compile(r"^\.checkpoint-\d+\.pt\.[0-9a-f]+" + re.escape(storage.TEMPORARY_SUFFIX) + "$")
 STALE_SUFFIX = ".stale"
 """Checkpoints newer than the one a resumed run writes are renamed ``<name>.stale`` (see ``save``)."""
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+_TEMPORARY = r"\.pt\.[0-9a-f]+" + re.escape(storage.TEMPORARY_SUFFIX) + "$"
+_CHECKPOINT_TEMPORARY = re.compile(r"^\.checkpoint-\d+" + _TEMPORARY)
+_ANY_TEMPORARY = re.compile(r"^\.(checkpoint|model)-\d+" + _TEMPORARY)
+_RUN_FILE = re.compile(r"^(checkpoint|model)-\d+\.pt(" + re.escape(STALE_SUFFIX) + ")?$")
 
 
 def checkpoint_name(global_step: int) -> str:
@@ -127,15 +132,26 @@ class DefaultCheckpointer(AbstractCheckpointer):
     save at a time; a failed background write is raised by the next :meth:`save` or by
     :meth:`wait`.
 
+    One run per directory: :meth:`prepare_run` (called by the trainer at setup, else by the
+    first save) refuses a ``save_dir`` holding checkpoints of a run this one does not continue
+    (:meth:`continues_existing_run`), so a new run never overwrites, deletes or renames
+    another run's files.
+
+    A checkpoint whose weights or ``metric`` hold NaN/inf is not written (a warning names the
+    step) unless ``save_non_finite``.
+
     Retention runs after each write: checkpoints with a higher step than the one just
-    written come from a run that was later resumed from an older checkpoint, so they are
-    renamed ``<name>.stale`` (never picked for resuming again); then, with ``keep_last_n``
-    set, only the newest ``keep_last_n`` plus the best ``keep_best_n`` by ``metric`` stay.
-    A checkpoint is ranked by the value of ``metric`` recorded at its own step (e.g. the
-    validation at that epoch end); checkpoints without one are never "best".
+    written come from this run's own earlier attempt, later resumed from an older checkpoint,
+    so they are renamed ``<name>.stale`` (never picked for resuming again); then, with
+    ``keep_last_n`` set, only the newest ``keep_last_n`` plus the best ``keep_best_n`` by
+    ``metric`` stay. A checkpoint is ranked by the value of ``metric`` recorded at its own step
+    (e.g. the validation at that epoch end); checkpoints without one, or with NaN/inf, are
+    never "best".
 
     Loading (:meth:`load`) takes the newest checkpoint that reads back: a truncated or
-    damaged newer file is reported (path and reason, a logged warning) and skipped.
+    damaged newer file is reported (path and reason, a logged warning) and skipped. A file
+    that ``weights_only`` refuses, and a storage error that persists over retries, stop the
+    load instead.
 
     Args:
         args: where, when and how many (see :class:`DefaultCheckpointerArguments`).
@@ -164,6 +180,49 @@ class DefaultCheckpointer(AbstractCheckpointer):
         """URL of the checkpoint the last :meth:`load` returned."""
         self.resumed_own_run = False
         """True when the last :meth:`load` took a checkpoint from ``save_dir`` (a restart of this run)."""
+        self._prepared = False
+
+    # -- one run per directory ----------------------------------------------------------
+    def continues_existing_run(self) -> bool:
+        """True with ``resume="auto"``, or when ``load_dir`` is ``save_dir`` or ``load_filename`` lies in it."""
+        args = self.args
+        if args.resume == "auto":
+            return True
+        if args.load_dir and storage.same_location(args.load_dir, self.save_dir):
+            return True
+        if args.load_filename:
+            parent = args.load_filename.rsplit("/", 1)[0] if "/" in args.load_filename else "."
+            return storage.same_location(parent, self.save_dir)
+        return False
+
+    def prepare_run(self) -> None:
+        """Refuse a ``save_dir`` holding another run's checkpoints; remove leftover temporary files.
+
+        Runs once (the trainer calls it at setup; otherwise the first :meth:`save` or
+        :meth:`save_model` does). Checkpoints, model exports and ``.stale`` files in ``save_dir``
+        belong to another run unless :meth:`continues_existing_run`.
+
+        Raises:
+            RunDirectoryInUse: ``save_dir`` holds such files and this run does not continue them.
+        """
+        if self._prepared:
+            return
+        files = storage.list_files(self._fs, self._dir)
+        names = sorted(_basename(path) for path in files)
+        if not self.continues_existing_run():
+            taken = [name for name in names if _RUN_FILE.match(name)]
+            if taken:
+                shown = ", ".join(taken[:4]) + (f", ... ({len(taken)} files)" if len(taken) > 4 else "")
+                where = "output_dir (--trainer.output_dir)" if self.args.save_dir is None else "save_dir (--checkpointer.save_dir)"
+                raise RunDirectoryInUse(
+                    f"save_dir {self.save_dir!r} already holds checkpoints of another run ({shown}) and this run does "
+                    f"not resume it, so it would overwrite them; {ways_on(where)}"
+                )
+        for path in files:
+            if _ANY_TEMPORARY.match(_basename(path)):  # left by a process killed while saving
+                logger.info("removing %s, left by a save that did not finish", self._fs.unstrip_protocol(path))
+                self._fs.rm(path)
+        self._prepared = True
 
     # -- saving ---------------------------------------------------------------------
     def serialize(self, obj: Any, handle: IO[bytes]) -> None:
@@ -173,6 +232,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
     def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
         if not force and not self.is_epoch_save_due(index):
             return None
+        self.prepare_run()
         name = checkpoint_name(checkpoint.global_step)
         score = checkpoint.metrics.get(self.args.metric)
         busy_since = time.perf_counter() if self._writer.busy else None
@@ -182,6 +242,13 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 "checkpoint save waited %.1f s for the previous background write; save less often to avoid the wait",
                 time.perf_counter() - busy_since,
             )
+        problem = None if self.args.save_non_finite else self._non_finite(checkpoint)
+        if problem is not None:
+            logger.warning(
+                "checkpoint at step %d not written: %s; the checkpoints before it are kept as they are "
+                "(checkpointer_args.save_non_finite=True writes such checkpoints)", checkpoint.global_step, problem,
+            )
+            return None
         with self._lock:
             if score is not None:
                 self._scores[name] = float(score)
@@ -194,6 +261,16 @@ class DefaultCheckpointer(AbstractCheckpointer):
         else:
             self._write(name, checkpoint.global_step, data)
         return self._url(name)
+
+    def _non_finite(self, checkpoint: Checkpoint) -> Optional[str]:
+        """What in ``checkpoint`` is NaN/inf (the monitored metric, then the weights), or None."""
+        score = checkpoint.metrics.get(self.args.metric)
+        if score is not None and not is_finite_score(score):
+            return f"its {self.args.metric} is {score}"
+        tensor = first_non_finite_tensor(checkpoint.module_state)
+        if tensor is not None:
+            return f"its weights hold NaN or inf (module state {tensor!r})"
+        return None
 
     def _write(self, name: str, global_step: int, data: Dict[str, Any]) -> None:
         try:
@@ -208,6 +285,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
     def save_model(self, state: Dict[str, Any], index: int) -> Optional[str]:
         """Write ``state`` (the module's weights) to ``model-<index>.pt``; load it with
         ``torch.load(path, weights_only=True)``. Model exports are never removed by retention."""
+        self.prepare_run()
         name = model_name(index)
         storage.write_atomically(self._fs, storage.join(self._dir, name), copy_to_cpu(state), serializer=self.serialize)
         return self._url(name)
@@ -244,8 +322,8 @@ class DefaultCheckpointer(AbstractCheckpointer):
         for step, path in entries:
             if step > written_step:
                 logger.warning(
-                    "checkpoint %s is newer (step %d) than the one this run just wrote (step %d): it comes from a run "
-                    "that was resumed from an older checkpoint; renamed to %s so it is never resumed from",
+                    "checkpoint %s is newer (step %d) than the one this run just wrote (step %d): it was written before "
+                    "this run was resumed from an older checkpoint; renamed to %s so it is never resumed from",
                     self._fs.unstrip_protocol(path), step, written_step, path.rsplit("/", 1)[-1] + STALE_SUFFIX,
                 )
                 self._fs.mv(path, path + STALE_SUFFIX)
@@ -258,21 +336,20 @@ class DefaultCheckpointer(AbstractCheckpointer):
         keep = set(paths[: self.args.keep_last_n])
         with self._lock:
             if self.args.keep_best_n:
-                scored = [path for path in paths if _basename(path) in self._scores]
-                scored.sort(key=lambda path: self._scores[_basename(path)], reverse=self.args.mode == "max")
-                keep.update(scored[: self.args.keep_best_n])
+                present = {_basename(path): path for path in paths}
+                scores = {name: score for name, score in self._scores.items() if name in present}
+                keep.update(present[name] for name in best_first(scores, self.args.mode)[: self.args.keep_best_n])
             for path in paths:
                 if path not in keep:
                     self._fs.rm(path)
                     self._scores.pop(_basename(path), None)
 
     def best_checkpoint(self) -> Optional[str]:
-        """URL of the best checkpoint by ``metric`` among those this run scored, or None."""
+        """URL of the best checkpoint by ``metric`` among those this run scored (NaN and inf
+        never are), or None."""
         with self._lock:
-            if not self._scores:
-                return None
-            pick = min if self.args.mode == "min" else max
-            return self._url(pick(self._scores, key=self._scores.__getitem__))
+            ranked = best_first(self._scores, self.args.mode)
+        return self._url(ranked[0]) if ranked else None
 
     # -- loading --------------------------------------------------------------------
     def resume_source(self) -> Optional[str]:
@@ -295,8 +372,13 @@ class DefaultCheckpointer(AbstractCheckpointer):
         Order: with ``resume="auto"``, the newest readable checkpoint in ``save_dir``; else
         ``load_filename``; else the newest readable checkpoint in ``load_dir``.
 
+        Only damaged files (truncated, CRC mismatch) are skipped for an older checkpoint.
+
         Raises:
-            CheckpointRefused: the file holds pickled objects and ``weights_only`` is on.
+            CheckpointRefused: ``weights_only`` refuses a file (pickled objects, blocked modules,
+                bytes before the archive); the run stops, the file is left as it is.
+            OSError: listing or reading failed on every retry (EIO, permission).
+            ValueError: a file is intact but not a checkpoint of this format or version.
             RuntimeError: the directory holds checkpoints but none of them reads back.
             FileNotFoundError / CorruptCheckpoint: ``load_filename`` is missing or unreadable.
         """
@@ -330,9 +412,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
             url = fs.unstrip_protocol(path)
             try:
                 checkpoint = self.read(url)
-            except storage.CheckpointRefused:
-                raise
-            except Exception as error:  # truncated, damaged, not a checkpoint of this format
+            except storage.CorruptCheckpoint as error:  # truncated or damaged: only these fall back
                 logger.warning("checkpoint %s is unreadable and was skipped: %s", url, error)
                 failures.append(f"{url}: {error}")
                 continue
@@ -350,9 +430,14 @@ class DefaultCheckpointer(AbstractCheckpointer):
     def read(self, url: str) -> Checkpoint:
         """Read and check the checkpoint file at ``url`` (path or fsspec URL)."""
         fs, path = storage.resolve(url)
-        if not fs.exists(path):
-            raise FileNotFoundError(f"checkpoint file {url!r} does not exist")
-        checkpoint = Checkpoint.from_dict(storage.read(fs, path, weights_only=self.args.weights_only))
+        try:
+            data = storage.read(fs, path, weights_only=self.args.weights_only)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"checkpoint file {url!r} does not exist") from error
+        try:
+            checkpoint = Checkpoint.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"{url}: {error}") from error
         logger.info("loaded checkpoint %s (epoch %d, step %d)", url, checkpoint.epoch, checkpoint.global_step)
         return checkpoint
 

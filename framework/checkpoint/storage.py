@@ -9,18 +9,29 @@ is written under its final name directly (a rename there would copy every byte a
 
 Reading checks the zip CRC of every record before unpickling, so a truncated file and a
 file with flipped bytes are both reported as corrupt instead of loading garbage weights.
+A file that is intact but that ``weights_only`` loading refuses (blocked globals, bytes
+before the archive) is :class:`CheckpointRefused`: never "corrupt", never skipped.
+
+Listing and reading retry an ``OSError`` (EIO, a permission glitch) a few times with a short
+backoff, then raise it: a storage error never looks like "no checkpoint" or "damaged file".
+A failed write raises :class:`CheckpointWriteError`, naming the file and the OS error.
 """
 
+import errno
+import logging
 import os
 import pickle
 import posixpath
+import time
 import uuid
 import zipfile
-from typing import IO, Any, Callable, List, Tuple
+from typing import IO, Any, Callable, List, Optional, Tuple, TypeVar
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
+
+logger = logging.getLogger(__name__)
 
 TEMPORARY_SUFFIX = ".tmp"
 """Temporary files are named ``.<final name>.<random hex>.tmp``."""
@@ -28,15 +39,69 @@ TEMPORARY_SUFFIX = ".tmp"
 # Protocols whose uploads are atomic: the object appears only once its upload completes.
 _ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
 
+RETRY_DELAYS: Tuple[float, ...] = (0.05, 0.1, 0.2)
+"""Seconds waited before each retry of a failed listing or read (so 1 + len(RETRY_DELAYS) attempts)."""
+
+# OSErrors that describe the path, not a passing storage fault: never retried.
+_NOT_TRANSIENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)
+
 Serializer = Callable[[Any, IO[bytes]], None]
+T = TypeVar("T")
 
 
 class CheckpointRefused(ValueError):
-    """A checkpoint holds pickled objects and ``weights_only`` loading is on."""
+    """A checkpoint that ``weights_only`` loading refuses to unpickle (pickled objects, blocked
+    modules such as ``posix.system``, bytes before the zip archive). It stops the run with the
+    file named; it is never treated as damaged and never skipped for an older checkpoint.
+
+    Example:
+        >>> raise CheckpointRefused("runs/x/checkpoint-000000003.pt holds pickled Python objects ...")
+        Traceback (most recent call last):
+        ...
+        framework.checkpoint.storage.CheckpointRefused: runs/x/checkpoint-000000003.pt holds pickled Python objects ...
+    """
 
 
 class CorruptCheckpoint(ValueError):
     """A checkpoint file is truncated or damaged (the reason names what failed)."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed with an OS error (ENOSPC, EIO, ...); the message names the file.
+
+    ``errno`` is the OS error's; the previous checkpoint is untouched.
+
+    Example:
+        >>> str(CheckpointWriteError(28, "could not write checkpoint runs/x/checkpoint-000000008.pt: No space left on device"))
+        '[Errno 28] could not write checkpoint runs/x/checkpoint-000000008.pt: No space left on device'
+    """
+
+
+def display(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """How a path is named in messages: the plain path on a local disk, else its URL."""
+    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+
+
+def with_retries(operation: Callable[[], T], description: str) -> T:
+    """``operation()``, retried after ``RETRY_DELAYS`` when it raises an ``OSError`` (other than
+    "no such file" and its kind); the last failure is raised, naming ``description``.
+
+    Example:
+        >>> with_retries(lambda: 42, "reading nothing")
+        42
+    """
+    for delay in (*RETRY_DELAYS, None):
+        try:
+            return operation()
+        except _NOT_TRANSIENT:
+            raise
+        except OSError as error:
+            if delay is None:
+                attempts = len(RETRY_DELAYS) + 1
+                raise OSError(error.errno, f"{description} failed {attempts} times, last: {error.strerror or error}") from error
+            logger.warning("%s failed (%s); retrying in %.2f s", description, error, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def resolve(url: str) -> Tuple[fsspec.AbstractFileSystem, str]:
@@ -82,6 +147,17 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, obj: Any, seriali
         >>> read(fs, path, weights_only=True)["w"]
         tensor([0., 0.])
     """
+    try:
+        _write_atomically(fs, path, obj, serializer)
+    except Exception as error:
+        os_error = _os_error_in(error)
+        if os_error is None:
+            raise
+        reason = os_error.strerror or str(os_error)
+        raise CheckpointWriteError(os_error.errno, f"could not write checkpoint {display(fs, path)}: {reason}") from error
+
+
+def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, obj: Any, serializer: Serializer) -> None:
     directory, name = posixpath.split(path)
     fs.makedirs(directory, exist_ok=True)
     if fs.protocol and set(_as_tuple(fs.protocol)) & _ATOMIC_UPLOAD_PROTOCOLS:
@@ -102,8 +178,30 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, obj: Any, seriali
                 serializer(obj, handle)
             fs.mv(temporary, path)
     finally:
-        if fs.exists(temporary):
-            fs.rm(temporary)
+        _remove_quietly(fs, temporary)
+
+
+def _os_error_in(error: BaseException) -> Optional[OSError]:
+    """The OS error behind ``error``: itself, or one it was raised from or while handling
+    (``torch.save`` turns a failed write into ``RuntimeError: enforce fail at inline_container.cc``)."""
+    seen = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Remove a temporary file if it is there; a failure is logged, never raised over the real error."""
+    try:
+        fs.rm(path)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        logger.warning("could not remove the temporary file %s: %s", display(fs, path), error)
 
 
 def _as_tuple(protocol: Any) -> Tuple[str, ...]:
@@ -135,14 +233,26 @@ def _open_for_reading(fs: fsspec.AbstractFileSystem, path: str) -> IO[bytes]:
         return fs.open(path, "rb")
 
 
-def _check_archive(handle: IO[bytes], size: int) -> None:
+def _check_archive(handle: IO[bytes], size: int, name: str) -> None:
     try:
         with zipfile.ZipFile(handle) as archive:
             damaged = archive.testzip()
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:
+            first_record = min((info.header_offset for info in archive.infolist()), default=0)
+    except OSError as error:
+        if error.errno not in (None, errno.EINVAL):  # a storage fault (EIO, ...), not a damaged file
+            raise
+        raise CorruptCheckpoint(f"{size} bytes, not a complete checkpoint archive (truncated?): {error}") from error
+    except (zipfile.BadZipFile, EOFError, ValueError) as error:
         raise CorruptCheckpoint(f"{size} bytes, not a complete checkpoint archive (truncated?): {error}") from error
     if damaged is not None:
         raise CorruptCheckpoint(f"record {damaged!r} does not match its CRC checksum (the file is damaged)")
+    if first_record > 0:
+        # torch.save starts the file with its archive. Bytes before it are a pickle/zip polyglot:
+        # torch.load would unpickle those bytes instead of the archive that was checked.
+        raise CheckpointRefused(
+            f"{name} has {first_record} bytes before its zip archive, which torch.save never writes (a crafted "
+            f"pickle/zip polyglot that torch.load would unpickle instead of the archive); refusing to load it"
+        )
 
 
 def verify(fs: fsspec.AbstractFileSystem, path: str) -> None:
@@ -151,43 +261,72 @@ def verify(fs: fsspec.AbstractFileSystem, path: str) -> None:
     Raises:
         CorruptCheckpoint: the file is empty, truncated, not a zip archive, or a record's
             bytes do not match the checksum written with them.
+        CheckpointRefused: bytes precede the archive (a polyglot file).
     """
     with _open_for_reading(fs, path) as handle:
-        _check_archive(handle, fs.size(path))
+        _check_archive(handle, fs.size(path), display(fs, path))
 
 
 def read(fs: fsspec.AbstractFileSystem, path: str, weights_only: bool) -> Any:
     """``torch.load`` a file written by :func:`write_atomically`, onto the CPU, after checking it
     like :func:`verify`.
 
+    An ``OSError`` (EIO, permission) is retried (``RETRY_DELAYS``), then raised.
+
     Raises:
+        FileNotFoundError: there is no file at ``path``.
         CorruptCheckpoint: the file is truncated or damaged.
-        CheckpointRefused: the file needs arbitrary unpickling and ``weights_only`` is on.
+        CheckpointRefused: ``weights_only`` loading refuses the file (pickled objects, blocked
+            modules), or bytes precede its archive.
+        OSError: the storage failed on every attempt.
     """
+    name = display(fs, path)
+    return with_retries(lambda: _read_once(fs, path, name, weights_only), f"reading checkpoint {name}")
+
+
+def _read_once(fs: fsspec.AbstractFileSystem, path: str, name: str, weights_only: bool) -> Any:
     with _open_for_reading(fs, path) as handle:
-        _check_archive(handle, fs.size(path))
+        _check_archive(handle, fs.size(path), name)
         handle.seek(0)
         try:
             return torch.load(handle, map_location="cpu", weights_only=weights_only)
         except pickle.UnpicklingError as error:
             message = str(error)
-            if weights_only and "Unsupported global" in message:
-                detail = next((line.strip() for line in message.splitlines() if "Unsupported global" in line), "")
+            if weights_only:  # the archive is intact (CRCs match): this is what was written, not damage
                 raise CheckpointRefused(
-                    f"{fs.unstrip_protocol(path)} holds pickled Python objects, which weights_only loading refuses "
+                    f"{name} holds pickled Python objects or code references, which weights_only loading refuses "
                     f"because unpickling them can run code. If you trust the file, set "
-                    f"checkpointer_args.weights_only=False (--checkpointer.weights_only false). {detail}"
+                    f"checkpointer_args.weights_only=False (--checkpointer.weights_only false). {_refusal_detail(message)}"
                 ) from error
-            detail = next((line.strip() for line in message.splitlines() if "WeightsUnpickler error" in line), "")
-            raise CorruptCheckpoint(f"unpickling failed: {detail or (message.strip().splitlines() or [repr(error)])[0]}") from error
+            raise CorruptCheckpoint(f"unpickling failed: {(message.strip().splitlines() or [repr(error)])[0]}") from error
         except (RuntimeError, EOFError) as error:
             first_line = (str(error).strip().splitlines() or [""])[0]
             raise CorruptCheckpoint(f"{type(error).__name__}: {first_line}") from error
 
 
+def _refusal_detail(message: str) -> str:
+    """The line of torch's weights_only message that says what was refused."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for line in lines:
+        if "GLOBAL" in line or "Unsupported" in line or "WeightsUnpickler error" in line:
+            return line
+    informative = [line for line in lines if not line.startswith(("Weights only load failed", "Check the documentation"))]
+    return informative[0] if informative else ""
+
+
 def list_files(fs: fsspec.AbstractFileSystem, directory: str) -> List[str]:
-    """Paths of the plain files in ``directory`` (empty when it does not exist); never a cached listing."""
-    fs.invalidate_cache(directory)
-    if not fs.exists(directory):
-        return []
-    return [entry["name"] for entry in fs.ls(directory, detail=True) if entry.get("type") == "file"]
+    """Paths of the plain files in ``directory`` (empty when it does not exist); never a cached listing.
+
+    An ``OSError`` other than "does not exist" (EIO, permission) is retried, then raised: a
+    directory that cannot be listed is never taken for an empty one.
+    """
+
+    def attempt() -> List[str]:
+        fs.invalidate_cache(directory)
+        try:
+            entries = fs.ls(directory, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return [entry["name"] for entry in entries if entry.get("type") == "file"]
+
+    return with_retries(attempt, f"listing checkpoints in {display(fs, directory)}")

@@ -1,0 +1,112 @@
+"""One run per directory: a new run refuses to start where another run's files are.
+
+Running the same command twice without ``resume`` would otherwise overwrite the first run's
+``metrics.csv``, ``config.yaml`` and checkpoints. At setup, before anything is written,
+:func:`claim_run_directory` checks ``output_dir`` (:func:`check_output_dir_free`) and the
+checkpointer's own directory (``AbstractCheckpointer.prepare_run``); a run that continues
+the run already there (``resume="auto"``, or loading from its own ``save_dir``) may use them.
+"""
+
+import os
+from typing import TYPE_CHECKING, List
+
+if TYPE_CHECKING:  # pragma: no cover
+    from backends import TrainerBackend
+    from framework.checkpoint.abstract import AbstractCheckpointer
+
+RUN_FILES = ("metrics.csv", "config.yaml")
+"""Files a run writes into ``output_dir``; finding one means another run lives there."""
+
+_CHECKPOINT_PREFIXES = ("checkpoint-", "model-")
+
+
+class RunDirectoryInUse(FileExistsError):
+    """A new run would overwrite another run's files; the message names the directory and the ways on.
+
+    Example:
+        >>> raise RunDirectoryInUse("output_dir 'runs/exp1' already holds another run's files (metrics.csv) ...")
+        Traceback (most recent call last):
+        ...
+        framework.run_directory.RunDirectoryInUse: output_dir 'runs/exp1' already holds another run's files (metrics.csv) ...
+    """
+
+
+def ways_on(new_location: str) -> str:
+    """The sentence telling a refused user how to continue the old run or start a new one."""
+    return (
+        "to continue that run, resume it: --checkpointer.resume auto (checkpointer_args.resume='auto'); "
+        f"to start a new run, choose another {new_location}"
+    )
+
+
+def previous_run_files(output_dir: str) -> List[str]:
+    """Files of a previous run in ``output_dir`` (relative names; empty when there are none).
+
+    Example:
+        >>> import tempfile
+        >>> previous_run_files(tempfile.mkdtemp())
+        []
+    """
+    found = [name for name in RUN_FILES if os.path.isfile(os.path.join(output_dir, name))]
+    checkpoints = os.path.join(output_dir, "checkpoints")
+    if os.path.isdir(checkpoints):
+        names = sorted(n for n in os.listdir(checkpoints) if n.startswith(_CHECKPOINT_PREFIXES) and n.endswith(".pt"))
+        found += [f"checkpoints/{name}" for name in names]
+    return found
+
+
+def check_output_dir_free(output_dir: str, resuming: bool) -> None:
+    """Refuse to start a run in ``output_dir`` when it holds another run's files.
+
+    Args:
+        output_dir: the run's output directory (``TrainerArguments.output_dir``).
+        resuming: True when this run continues the run already in the directory (then its
+            files are this run's own and may be rewritten).
+
+    Raises:
+        RunDirectoryInUse: ``output_dir`` holds ``metrics.csv``, ``config.yaml`` or checkpoints
+            and ``resuming`` is False.
+
+    Example:
+        >>> import tempfile
+        >>> check_output_dir_free(tempfile.mkdtemp(), resuming=False)  # empty: free
+    """
+    if resuming:
+        return
+    found = previous_run_files(output_dir)
+    if found:
+        shown = ", ".join(found[:4]) + (f", ... ({len(found)} files)" if len(found) > 4 else "")
+        raise RunDirectoryInUse(
+            f"output_dir {output_dir!r} already holds another run's files ({shown}) and this run does not resume "
+            f"it, so it would overwrite them; {ways_on('output_dir (--trainer.output_dir)')}"
+        )
+
+
+def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", backend: "TrainerBackend") -> None:
+    """At setup, before anything is written: check ``output_dir`` and the checkpointer's directory.
+
+    Rank zero (the rank that writes) runs :func:`check_output_dir_free` with
+    ``checkpointer.continues_existing_run()`` and then ``checkpointer.prepare_run()``; its
+    outcome is broadcast, so every rank raises together instead of waiting in a collective.
+    Call it on every rank.
+
+    Raises:
+        RunDirectoryInUse: on rank zero, as raised there; on the other ranks, with its message.
+
+    Example:
+        claim_run_directory(args.output_dir, trainer.checkpointer, trainer.backend)
+    """
+    error = None
+    if backend.is_main_process:
+        try:
+            check_output_dir_free(output_dir, checkpointer.continues_existing_run())
+            checkpointer.prepare_run()
+        except Exception as caught:  # re-raised below, after the other ranks learn about it
+            error = caught
+    if backend.world_size > 1:
+        failure = backend.broadcast_object(None if error is None else (isinstance(error, RunDirectoryInUse), str(error)))
+        if error is None and failure is not None:
+            in_use, message = failure
+            raise (RunDirectoryInUse if in_use else RuntimeError)(f"rank zero refused to start the run: {message}")
+    if error is not None:
+        raise error

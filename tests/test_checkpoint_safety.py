@@ -18,7 +18,7 @@ import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 from distributed import run_ranks
-from framework import Trainer, TrainerArguments
+from framework import Trainer, TrainerArguments, TrainingDiverged
 from framework.callbacks import Callback
 from framework.checkpoint import (
     Checkpoint,
@@ -47,15 +47,16 @@ class StepCounter(Callback):
         self.steps += 1
 
 
-def run_args(output_dir: Any, epochs: int = 2, **checkpointer: Any) -> TrainerArguments:
+def run_args(output_dir: Any, epochs: int = 2, stop_on_nonfinite_loss: bool = True, **checkpointer: Any) -> TrainerArguments:
     return TrainerArguments(
         epochs=epochs, train_batch_size=32, disable_tqdm=True, log_level="WARNING", output_dir=str(output_dir),
-        checkpointer_args=DefaultCheckpointerArguments(**checkpointer),
+        stop_on_nonfinite_loss=stop_on_nonfinite_loss, checkpointer_args=DefaultCheckpointerArguments(**checkpointer),
     )
 
 
-def train(output_dir: Any, epochs: int = 2, callbacks: tuple = (), **checkpointer: Any) -> Trainer:
-    trainer = Trainer(ToyModule(n_train=128, scheduler="step"), run_args(output_dir, epochs, **checkpointer), callbacks=callbacks)
+def train(output_dir: Any, epochs: int = 2, callbacks: tuple = (), stop_on_nonfinite_loss: bool = True, **checkpointer: Any) -> Trainer:
+    arguments = run_args(output_dir, epochs, stop_on_nonfinite_loss, **checkpointer)
+    trainer = Trainer(ToyModule(n_train=128, scheduler="step"), arguments, callbacks=callbacks)
     trainer.train()
     return trainer
 
@@ -271,7 +272,13 @@ class PoisonWeights(Callback):
 
 def test_diverged_trainer_run_keeps_its_best_checkpoint(tmp_path, checkpoint_log):
     directory = tmp_path / "run" / "checkpoints"
-    train(tmp_path / "run", epochs=3, callbacks=(PoisonWeights(at=STEPS_PER_EPOCH + 1),), keep_last_n=1, keep_best_n=1)
+    poison = (PoisonWeights(at=STEPS_PER_EPOCH + 1),)
+    # By default the NaN training loss ends the run at the next read, before any save of it.
+    with pytest.raises(TrainingDiverged):
+        train(tmp_path / "stopped", epochs=3, callbacks=poison, keep_last_n=1, keep_best_n=1)
+    assert names_in(str(tmp_path / "stopped" / "checkpoints")) == [checkpoint_name(STEPS_PER_EPOCH)]
+    # Training on regardless, the checkpointer itself refuses the NaN weights.
+    train(tmp_path / "run", epochs=3, callbacks=poison, stop_on_nonfinite_loss=False, keep_last_n=1, keep_best_n=1)
     # Epoch 1 (step 4) was written; epoch 2 and the final save hold NaN weights and val_loss.
     assert names_in(str(directory)) == [checkpoint_name(STEPS_PER_EPOCH)]
     skipped = [r.getMessage() for r in checkpoint_log if "not written" in r.getMessage()]

@@ -280,7 +280,7 @@ def test_resuming_with_other_optimizers_names_the_file_and_the_way_out(tmp_path,
 def test_reset_optimizers_schedulers_is_the_way_out(tmp_path):
     directory, _ = saved_run(tmp_path)
     weights_only = DefaultCheckpointerArguments(load_dir=directory, save_dir=str(tmp_path / "new"), reset_optimizers_schedulers=True)
-    trainer = Trainer(Optimizers("two"), arguments(tmp_path, max_steps=3, checkpointer_args=weights_only))
+    trainer = Trainer(Optimizers("two"), arguments(tmp_path / "new", max_steps=3, checkpointer_args=weights_only))
     trainer.train()
     assert trainer.global_steps_finished == 3  # fresh counters, the saved weights
 

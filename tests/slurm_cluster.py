@@ -154,9 +154,14 @@ class SlurmCluster:
         return "\n".join(parts)
 
     # -- jobs --------------------------------------------------------------------------
-    def run(self, command: List[str], timeout: float = 90, cwd: Optional[str] = None) -> subprocess.CompletedProcess:
-        """Run a client command (srun, sbatch, ...) against this cluster."""
-        return subprocess.run(command, env=self.env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    def run(
+        self, command: List[str], timeout: float = 90, cwd: Optional[str] = None, env: Optional[Dict[str, str]] = None
+    ) -> subprocess.CompletedProcess:
+        """Run a client command (srun, sbatch, ...) against this cluster, with ``env`` added to
+        the environment (which srun and sbatch hand to the job)."""
+        return subprocess.run(
+            command, env={**self.env, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=timeout
+        )
 
     def job_fields(self, job_id: str) -> Dict[str, str]:
         """``scontrol show job`` as ``{field: value}`` (Slurm keeps finished jobs for MinJobAge)."""
@@ -167,13 +172,15 @@ class SlurmCluster:
             fields.setdefault(key, value)
         return fields
 
-    def sbatch_and_wait(self, arguments: List[str], timeout: float = 90, cwd: Optional[str] = None) -> Dict[str, str]:
+    def sbatch_and_wait(
+        self, arguments: List[str], timeout: float = 90, cwd: Optional[str] = None, env: Optional[Dict[str, str]] = None
+    ) -> Dict[str, str]:
         """``sbatch ARGUMENTS`` and wait for the job to end; its ``scontrol`` fields then.
 
         Does what ``sbatch --wait`` does, faster: 22.05's ``--wait`` polls at growing intervals
         up to 10 s, which adds up to 20 s to a 15-second job.
         """
-        result = self.run(["sbatch", "--parsable", *arguments], cwd=cwd, timeout=30)
+        result = self.run(["sbatch", "--parsable", *arguments], cwd=cwd, timeout=30, env=env)
         if result.returncode != 0:
             raise RuntimeError(f"sbatch {' '.join(arguments)} failed: {result.stderr}")
         job_id = result.stdout.strip().split(";")[0]

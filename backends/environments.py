@@ -299,6 +299,14 @@ class SlurmEnvironment(ClusterEnvironment):
                 return False
         return True
 
+    def validate(self) -> None:
+        if not self.environ.get("SLURM_JOB_ID"):
+            raise ValueError(
+                "cluster environment 'slurm' needs SLURM_JOB_ID, which is not set: this process is not part of a "
+                "Slurm job; start it with srun or sbatch, or leave TrainerArguments.cluster at None to detect"
+            )
+        super().validate()
+
     @property
     def in_step(self) -> bool:
         """True inside an ``srun`` step; False in the batch script (or an ``salloc`` shell)."""

@@ -146,8 +146,10 @@ def test_bad_variables_are_clear_errors():
         select_cluster_environment(None, dict(SRUN_TASK_1, SLURM_PROCID="x"))
     with pytest.raises(ValueError, match="reports rank 5, local rank 1 and world size 2"):
         select_cluster_environment(None, dict(SRUN_TASK_1, SLURM_PROCID="5"))
-    with pytest.raises(ValueError, match="SLURM_JOB_ID is not set"):
-        select_cluster_environment("slurm", {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).master_port
+    with pytest.raises(ValueError, match="needs SLURM_JOB_ID, which is not set: this process is not part of a Slurm job"):
+        select_cluster_environment("slurm", {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    with pytest.raises(ValueError, match="environment variable RANK is not set"):
+        select_cluster_environment("torchrun", {"WORLD_SIZE": "2"})
 
 
 def test_a_name_forces_an_environment_and_an_unknown_name_lists_the_known_ones():

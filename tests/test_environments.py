@@ -212,10 +212,21 @@ def test_several_processes_with_a_single_process_strategy_are_refused(variables,
         backend.setup(use_gpu=False, cluster=environment)
 
 
-def test_multi_process_strategy_in_an_sbatch_shell_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="backends.environments"):
+def test_multi_process_strategy_in_an_sbatch_shell_warns():
+    # A handler on the logger itself: after a Trainer ran, backends loggers stop propagating.
+    messages = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("backends.environments")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # whatever level an earlier Trainer's log_level left on "backends"
+    try:
         check_launch(detect_cluster_environment(SBATCH_SHELL), multi_process=True)
-    assert "start the training with srun" in caplog.text
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert any("start the training with srun" in message for message in messages), messages
 
 
 def test_backend_exposes_the_environment_it_set_up_with():

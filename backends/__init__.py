@@ -10,6 +10,12 @@ Example:
 
 from backends.base import TrainerBackend
 from backends.batch import map_tensors, move_to_device
+from backends.environments import (
+    ClusterEnvironment,
+    available_cluster_environments,
+    detect_cluster_environment,
+    register_cluster_environment,
+)
 from backends.precision import FullPrecision, MixedPrecision, Precision
 from backends.registry import available_backends, build_backend, register_backend
 from backends.samplers import ResumableSampler
@@ -20,6 +26,10 @@ __all__ = [
     "Strategy",
     "SingleProcess",
     "DDP",
+    "ClusterEnvironment",
+    "available_cluster_environments",
+    "detect_cluster_environment",
+    "register_cluster_environment",
     "Precision",
     "FullPrecision",
     "MixedPrecision",

@@ -1,11 +1,12 @@
 """TrainerBackend: the one object the Trainer talks to, a strategy composed with a precision."""
 
 import logging
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Sized
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Sized, Union
 
 import torch
 
 from backends.batch import move_to_device
+from backends.environments import ClusterEnvironment, select_cluster_environment
 from backends.precision import FullPrecision, Precision
 from backends.strategies import SingleProcess, Strategy
 
@@ -66,6 +67,12 @@ class TrainerBackend:
     def is_main_process(self) -> bool:
         return self.strategy.is_main_process
 
+    @property
+    def cluster_environment(self) -> ClusterEnvironment:
+        """Where this run's processes come from (set by :meth:`setup`): ranks, rendezvous,
+        and :meth:`~backends.environments.ClusterEnvironment.requeue`."""
+        return self.strategy.cluster_environment
+
     # -- life cycle -----------------------------------------------------------------
     def setup(
         self,
@@ -73,13 +80,21 @@ class TrainerBackend:
         amp_dtype: Optional[str] = None,
         find_unused_parameters: bool = False,
         ddp_timeout: float = 600.0,
+        cluster: Union[None, str, ClusterEnvironment] = None,
     ) -> None:
-        """Pick the device, join the process group (DDP) and prepare the precision.
+        """Find the cluster environment, pick the device, join the process group (DDP) and
+        prepare the precision.
 
-        If the precision refuses the device (fp16 on CPU), the process group is left again
-        before the error propagates.
+        ``cluster`` names a registered cluster environment (``"slurm"``), or is one, or is
+        None to detect it. If the precision refuses the device (fp16 on CPU), the process
+        group is left again before the error propagates.
         """
-        self.strategy.setup(use_gpu=use_gpu, find_unused_parameters=find_unused_parameters, ddp_timeout=ddp_timeout)
+        self.strategy.setup(
+            use_gpu=use_gpu,
+            find_unused_parameters=find_unused_parameters,
+            ddp_timeout=ddp_timeout,
+            cluster_environment=select_cluster_environment(cluster),
+        )
         try:
             self.precision.setup(self.device, amp_dtype)
         except BaseException:

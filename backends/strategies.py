@@ -8,7 +8,6 @@ import atexit
 import contextlib
 import datetime
 import logging
-import os
 import sys
 import time
 from typing import Any, ContextManager, List, Optional, Sequence, Sized, Tuple
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from backends.batch import map_tensors
+from backends.environments import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
 from backends.samplers import ResumableSampler, interleave_ranks
 
 logger = logging.getLogger(__name__)
@@ -54,20 +54,35 @@ class Strategy:
     """
 
     name = "single-process"
+    multi_process = False
+    """True for strategies that run one process per device (DDP); False refuses multi-process launches."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.rank = 0
         self.local_rank = 0
         self.world_size = 1
+        self.cluster_environment: ClusterEnvironment = LocalEnvironment({})
 
     @property
     def is_main_process(self) -> bool:
         """True on the rank that prints, logs and writes files."""
         return self.rank == 0
 
-    def setup(self, use_gpu: Optional[bool] = None, **options: Any) -> None:
-        """Pick the device (and, in subclasses, join the process group)."""
+    def setup(
+        self, use_gpu: Optional[bool] = None, cluster_environment: Optional[ClusterEnvironment] = None, **options: Any
+    ) -> None:
+        """Take ranks from the cluster environment (detected when None), check that the launch
+        fits the strategy, and pick the device (subclasses then join the process group).
+
+        Raises:
+            ValueError: several processes were launched for a single-process strategy
+                (see :func:`backends.environments.check_launch`).
+        """
+        environment = cluster_environment if cluster_environment is not None else select_cluster_environment()
+        check_launch(environment, self.multi_process)
+        self.cluster_environment = environment
+        self.rank, self.local_rank, self.world_size = environment.global_rank, environment.local_rank, environment.world_size
         self.device = select_device(use_gpu, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -135,31 +150,24 @@ class Strategy:
 
 
 class SingleProcess(Strategy):
-    """One process: CUDA if available (``use_gpu``), else CPU.
+    """One process: CUDA if available (``use_gpu``), else CPU. A launch of several processes
+    (torchrun, srun, mpirun) is refused in :meth:`setup`, before any step.
 
     Example:
         >>> SingleProcess().world_size
         1
     """
 
-    def setup(self, use_gpu: Optional[bool] = None, **options: Any) -> None:
-        super().setup(use_gpu, **options)
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        if world_size > 1:
-            logger.warning(
-                "WORLD_SIZE=%d but the backend is single-process: every process trains on its own and "
-                "writes the same files; use a 'ddp' backend under torchrun",
-                world_size,
-            )
-
 
 class DDP(Strategy):
-    """``torch.distributed`` data parallel, one process per device, launched by ``torchrun``.
+    """``torch.distributed`` data parallel, one process per device, under any launcher.
 
-    Reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` (and ``MASTER_ADDR``/``MASTER_PORT``) from
-    the environment. With none set it runs as one process, so the same script works under
-    ``python`` and ``torchrun``. The process group uses NCCL on CUDA and gloo on CPU, is
-    created once by :meth:`setup` and destroyed by :meth:`teardown`.
+    Ranks, world size and the rendezvous address come from the cluster environment
+    (torchrun, ``srun``, ``mpirun`` or a registered one; see ``backends/environments.py``).
+    Launched as one process it runs as one, so the same script works under ``python``,
+    ``torchrun`` and ``srun``. The process group uses NCCL on CUDA and gloo on CPU, is
+    created once by :meth:`setup` (rank zero serves the store, unless torchrun's agent
+    does) and destroyed by :meth:`teardown`.
 
     Args:
         find_unused_parameters: passed to ``DistributedDataParallel`` (None: from the
@@ -168,21 +176,19 @@ class DDP(Strategy):
             job fails instead of hanging (None: from the trainer arguments).
 
     Example:
-        >>> strategy = DDP()   # under torchrun: rank and world size come from the environment
+        >>> strategy = DDP()   # under torchrun or srun: ranks come from the launcher
         >>> strategy.setup(use_gpu=False)
         >>> strategy.world_size >= 1
         True
     """
 
     name = "ddp"
+    multi_process = True
 
     def __init__(self, find_unused_parameters: Optional[bool] = None, timeout_seconds: Optional[float] = None) -> None:
         super().__init__()
         self.find_unused_parameters = find_unused_parameters
         self.timeout_seconds = timeout_seconds
-        self.rank = int(os.environ.get("RANK", 0))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self._owns_process_group = False
         self._preemption_registered = False
         self._preemption_stop_step: Optional[int] = None
@@ -197,38 +203,33 @@ class DDP(Strategy):
         use_gpu: Optional[bool] = None,
         find_unused_parameters: bool = False,
         ddp_timeout: float = 600.0,
+        cluster_environment: Optional[ClusterEnvironment] = None,
         **options: Any,
     ) -> None:
-        """Pick the device and join the process group (when ``WORLD_SIZE`` > 1).
+        """Take the ranks from the cluster environment, pick the device and join the process
+        group (when the world size is > 1).
 
         Raises:
-            ValueError: ``ddp_timeout`` is not positive, or ``WORLD_SIZE`` > 1 without
-                ``MASTER_ADDR``/``MASTER_PORT`` (not launched by torchrun).
+            ValueError: ``ddp_timeout`` is not positive, or the environment lacks its
+                rendezvous address (``WORLD_SIZE`` > 1 without ``MASTER_ADDR``/``MASTER_PORT``).
         """
         if ddp_timeout is not None and not ddp_timeout > 0:
             raise ValueError(f"ddp_timeout={ddp_timeout!r} is invalid; allowed: seconds > 0")
+        super().setup(use_gpu, cluster_environment=cluster_environment)
         if dist.is_initialized():
             # A process group made by the caller: use its ranks, leave destroying it to the caller.
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        super().setup(use_gpu)
         if self.find_unused_parameters is None:
             self.find_unused_parameters = find_unused_parameters
         if self.timeout_seconds is None:
             self.timeout_seconds = ddp_timeout
         if not self.distributed or dist.is_initialized():
             return
-        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
-        if missing:
-            raise ValueError(
-                f"WORLD_SIZE={self.world_size} but {' and '.join(missing)} not set; launch with "
-                "torchrun (python -m torch.distributed.run), which sets RANK, LOCAL_RANK, WORLD_SIZE, "
-                "MASTER_ADDR and MASTER_PORT"
-            )
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=self.timeout_seconds)
         dist.init_process_group(
             backend=backend,
-            store=_per_attempt_store(self.world_size, timeout),
+            store=_rendezvous_store(self.cluster_environment, timeout),
             rank=self.rank,
             world_size=self.world_size,
             timeout=timeout,
@@ -236,7 +237,7 @@ class DDP(Strategy):
         )
         self._owns_process_group = True
         atexit.register(self.teardown)
-        logger.debug("rank %d/%d joined the %s process group on %s", self.rank, self.world_size, backend, self.device)
+        logger.debug("%s joined the %s process group on %s", self.cluster_environment.describe(), backend, self.device)
 
     def teardown(self) -> None:
         """Destroy the process group this strategy created (not one made by the caller).
@@ -392,18 +393,33 @@ class DDP(Strategy):
                 dist.barrier()
 
 
-def _per_attempt_store(world_size: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
-    """Under ``torchrun --max-restarts``, a store namespaced by the restart attempt (else None).
+def _rendezvous_store(environment: ClusterEnvironment, timeout: datetime.timedelta) -> dist.Store:
+    """The store the ranks meet through, at the environment's master address and port.
+
+    Rank zero serves it, except under torchrun's agent store (:func:`_per_attempt_store`).
+    """
+    agent_store = _per_attempt_store(environment, timeout)
+    if agent_store is not None:
+        return agent_store
+    return dist.TCPStore(
+        environment.master_address,
+        environment.master_port,
+        environment.world_size,
+        is_master=environment.global_rank == 0,
+        timeout=timeout,
+    )
+
+
+def _per_attempt_store(environment: ClusterEnvironment, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """Where the launcher serves the store (torchrun), a client namespaced by the restart attempt (else None).
 
     torchrun shares its rendezvous store with the workers across restarts; without a
     per-attempt prefix, restarted gloo workers can read addresses that workers of the dead
     attempt published, and fail or hang while connecting (pytorch/pytorch#135712).
     """
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart is None:
+    if not environment.launcher_store:
         return None
     client = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+        environment.master_address, environment.master_port, environment.world_size, is_master=False, timeout=timeout
     )
-    return dist.PrefixStore(f"framework/attempt_{restart}", client)
-
+    return dist.PrefixStore(f"framework/attempt_{environment.restart_count}", client)

@@ -74,6 +74,8 @@ class TrainerArguments:
     """Passed to DistributedDataParallel."""
     ddp_timeout: float = 600.0
     """Seconds a collective waits for a missing rank before the job fails."""
+    cluster: Optional[str] = None
+    """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
     use_gpu: Optional[bool] = None
     """None: a GPU when present; True: require one; False: CPU."""
     seed: int = 42
@@ -124,6 +126,10 @@ class TrainerArguments:
         _require(self.ddp_timeout > 0, "ddp_timeout", self.ddp_timeout, "seconds > 0")
         _require(str(self.log_level).upper() in _LOG_LEVELS, "log_level", self.log_level, f"one of {_LOG_LEVELS}")
         _require(isinstance(self.backend, str) and bool(self.backend), "backend", self.backend, "a backend name")
+        _require(
+            self.cluster is None or (isinstance(self.cluster, str) and bool(self.cluster)),
+            "cluster", self.cluster, "None (detect) or a cluster environment name such as 'slurm'",
+        )
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:

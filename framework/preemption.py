@@ -92,6 +92,12 @@ class PreemptionHandler:
             signal.signal(signum, previous)
         self._previous = {}
 
+    def expect_termination(self) -> None:
+        """From now on ignore the caught signals: the run has saved and is ending (a scheduler
+        that requeues the job signals it again)."""
+        for signum in self._previous:
+            signal.signal(signum, signal.SIG_IGN)
+
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.requested:  # the second signal: stop waiting for the step to finish
             signal.signal(signum, self._previous.get(signal.Signals(signum), signal.SIG_DFL))

@@ -455,12 +455,18 @@ class Trainer:
         return self.epochs_finished >= self.args.epochs or (max_steps is not None and self.global_steps_finished >= max_steps)
 
     def _stop_for_preemption(self) -> None:
-        """Save where training stopped, wait for the write, and leave with exit status 75."""
+        """Save where training stopped, wait for the write, requeue the job where the scheduler
+        allows it (Slurm ``--requeue``), and leave with exit status 75."""
         signal_name = self.preemption.signal_name or "a signal on another rank"
         logger.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, self.global_steps_finished)
         if self.checkpointing_enabled:
             self.save_checkpoint()
         self.checkpointer.wait()
+        self.preemption.expect_termination()  # a requeue ends every process of the job with SIGTERM
+        self.backend.barrier()  # every rank has saved before the job is requeued
+        environment = self.backend.cluster_environment
+        if self.is_main_process and environment.requeues and environment.requeue():
+            logger.warning("requeued the job: it continues from this checkpoint when it starts again")
         raise TrainingPreempted(signal_name, self.global_steps_finished)
 
     # -- evaluation ---------------------------------------------------------------------

@@ -153,3 +153,43 @@ def test_requeue_from_inside_a_job(slurm_cluster, tmp_path):  # noqa: F811
         assert "name slurm requeues True restarts 0" in log.read_text()
     finally:
         slurm_cluster.run(["scancel", *(job for job, _ in jobs.values())], timeout=10)
+
+
+RESUME_SCRIPT = os.path.join(ROOT, "tests", "resume_script.py")
+PREEMPTIBLE_JOB = """#!/bin/bash
+#SBATCH --ntasks=2
+#SBATCH --requeue
+#SBATCH --open-mode=append
+echo "attempt restart_count=${{SLURM_RESTART_COUNT:-0}}"
+srun {python} {script} {out} --backend ddp --step-sleep 0.05
+"""
+
+
+def test_usr1_saves_requeues_and_the_requeued_job_ends_like_an_uninterrupted_run(slurm_cluster, tmp_path):  # noqa: F811
+    reference = str(tmp_path / "reference")
+    result = slurm_cluster.run(["srun", "--ntasks=2", sys.executable, RESUME_SCRIPT, reference, "--backend", "ddp"], cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    out, log = str(tmp_path / "preempted"), tmp_path / "job.log"
+    script = tmp_path / "preemptible.sbatch"
+    script.write_text(PREEMPTIBLE_JOB.format(python=sys.executable, script=RESUME_SCRIPT, out=out))
+    submitted = slurm_cluster.run(["sbatch", "--parsable", f"--output={log}", str(script)], cwd=ROOT, env={"OMP_NUM_THREADS": "1"})
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        slurm_cluster.wait_for_job(job, lambda fields: "STEP 3" in (log.read_text() if log.exists() else ""), timeout=90)
+        assert slurm_cluster.run(["scancel", "--signal=USR1", job], timeout=10).returncode == 0
+        # Rank 0 saves, then requeues: Slurm queues the job again with a BeginTime; start it now.
+        slurm_cluster.wait_for_job(job, lambda fields: fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING")
+        slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=10)
+        fields = slurm_cluster.wait_for_job(job, lambda fields: fields.get("JobState") in ("COMPLETED", "FAILED"), timeout=120)
+    finally:
+        slurm_cluster.run(["scancel", job], timeout=10)
+    output = log.read_text()
+    assert fields["JobState"] == "COMPLETED", f"{fields}\n{output}"
+    assert "SIGUSR1 received: saving a checkpoint" in output and "requeued the job" in output, output
+    assert "attempt restart_count=0" in output and "attempt restart_count=1" in output
+    assert "loaded checkpoint" in output and "FINISHED at step" in output
+    resumed, expected = torch.load(os.path.join(out, "result.pt")), torch.load(os.path.join(reference, "result.pt"))
+    assert resumed["step"] == expected["step"]
+    assert (resumed["params"] - expected["params"]).abs().max().item() <= 1e-6

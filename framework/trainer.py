@@ -389,7 +389,7 @@ class Trainer:
         outputs = concatenate_outputs(self._kept_outputs)
         self._kept_outputs = []
         self.hooks.call("on_end_train_epoch", self.global_steps_finished, *outputs)
-        self._record(self._reduce_collected(self._metrics.pop_epoch()))  # from steps and the hook above
+        self._record(self._reduce_collected(self._metrics.pop_epoch(), agree_on_names=True))  # from steps and the hook above
 
     def _log_epoch_summary(self) -> None:
         epoch = self.epochs_finished
@@ -511,8 +511,9 @@ class Trainer:
             raise TrainingDiverged(first, value)
         self._record({name: value})
 
-    def _reduce_collected(self, collected: Dict[str, Tuple[torch.Tensor, str]]) -> Dict[str, float]:
-        return reduce_metrics(collected, self.backend.all_reduce, self.device)
+    def _reduce_collected(self, collected: Dict[str, Tuple[Any, ...]], agree_on_names: bool = False) -> Dict[str, float]:
+        gather = self.backend.all_gather_object if agree_on_names else None  # once per epoch: a rank may have logged nothing
+        return reduce_metrics(collected, self.backend.all_reduce, self.device, gather)
 
     def log_metrics(self, metrics: Dict[str, float]) -> None:
         """Record host-side values now (history, writers on rank zero, ``on_log_metrics`` hooks).

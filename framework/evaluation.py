@@ -58,7 +58,8 @@ class Evaluator:
         """The module's loaders for ``stage`` as ``{name: loader}`` (``""`` for a single one)."""
         sampler = self.backend.sampler_factory(shuffle=False, seed=self.args.seed)
         get_loaders = self.module.get_val_dataloaders if stage is Stage.VAL else self.module.get_test_dataloaders
-        return as_loader_dict(get_loaders(sampler, batch_size), get_loaders.__name__)
+        loaders = as_loader_dict(get_loaders(sampler, batch_size), get_loaders.__name__)
+        return {name: self.backend.prepare_loader(loader) for name, loader in loaders.items()}
 
     def run(self, stage: Stage, global_step: int, batch_size: int, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
         """Evaluate every loader of ``stage``; with ``record=False`` (sanity checks) only run the steps."""

@@ -25,6 +25,7 @@ from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
 from framework.module import ModuleInterface, StepRunner
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
+from framework.schedulers import build_optimizers_schedulers
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
 from framework.tbptt import split_along_time
@@ -551,7 +552,7 @@ class Trainer:
         if self._train_loader is not None:
             return
         sampler = self.backend.sampler_factory(shuffle=True, seed=self.args.seed)
-        self._train_loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
+        self._train_loader = self.backend.prepare_loader(self.module.get_train_dataloader(sampler, self.train_step_batch_size))
         try:
             length: Optional[int] = len(self._train_loader)
         except TypeError:
@@ -564,12 +565,7 @@ class Trainer:
             self._wrapped = self.backend.wrap_module(self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
-            optimizers, schedulers = self.module.get_optimizers_schedulers(
-                self.estimated_global_steps_per_epoch, self.args.epochs
-            )
-            self.optimizers, self.schedulers = list(optimizers), list(schedulers or [])
-            if not self.optimizers:
-                raise ValueError("get_optimizers_schedulers returned no optimizer; return ([optimizer, ...], [schedulers])")
+            self.optimizers, self.schedulers = build_optimizers_schedulers(self.module, self.estimated_global_steps_per_epoch, self.args.epochs)
             self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
             if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
                 raise ValueError(

@@ -19,6 +19,7 @@ from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.hooks import HookDispatcher
 from framework.logging_setup import configure_logging
+from framework.loader_position import LoaderPosition
 from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
@@ -114,6 +115,8 @@ class Trainer:
         self.manual_optimization: Optional[ManualOptimization] = None
         self._train_loader: Optional[DataLoader] = None
         self._loader_length: Optional[int] = None
+        self._loader_position: Optional[LoaderPosition] = None
+        self._stream_ended = False  # a stream without a length ran out in this epoch
         self._runner = StepRunner(module)
         self._wrapped: Optional[torch.nn.Module] = None
         self._parameters: List[torch.nn.Parameter] = []
@@ -214,9 +217,11 @@ class Trainer:
         args, progress = self.args, self.progress
         cycles = accumulation_cycles(self._micro_batches_this_epoch(), self.gradient_accumulation, progress.batches_finished_in_epoch)
         batches = self._start_epoch()
+        self._stream_ended = False
         for cycle_length in cycles:
             micro_batches = self._train_step(batches, cycle_length)
             if not micro_batches:
+                self._stream_ended = True
                 break  # a stream without a length ran out
             progress.finish_step(micro_batches)
             step = progress.global_steps_finished
@@ -349,8 +354,7 @@ class Trainer:
     def _start_epoch(self) -> Iterator[Any]:
         """Position the sampler (and the RNG) where the epoch continues; ``on_begin_train_epoch``."""
         progress = self.progress
-        self._train_sampler_call("set_epoch", progress.epochs_finished)
-        self._train_sampler_call("fast_forward", progress.batches_finished_in_epoch * self.train_step_batch_size)
+        self._loader_position.start_epoch(progress.epochs_finished, progress.batches_finished_in_epoch * self.train_step_batch_size)
         # Creating a DataLoader iterator draws a seed from the global RNG. A resumed run
         # restores the saved RNG where the saved run was: before that draw at an epoch
         # boundary, after it mid-epoch.
@@ -366,7 +370,8 @@ class Trainer:
     def _end_epoch(self) -> None:
         """Epoch metrics, epoch schedulers, validation and the epoch-end checkpoint."""
         progress = self.progress
-        epoch_completed = progress.batches_finished_in_epoch >= (self._micro_batches_this_epoch() or 0)
+        planned = self._micro_batches_this_epoch()
+        epoch_completed = self._stream_ended if planned is None else progress.batches_finished_in_epoch >= planned
         if self._preempted or (not epoch_completed and self._should_end_training()):
             return  # stopped mid-epoch: the final checkpoint records the position
         self._end_train_epoch()
@@ -558,6 +563,7 @@ class Trainer:
         except TypeError:
             length = None
         self._loader_length = None if length is None else self.backend.strategy.min_over_ranks(length)
+        self._loader_position = LoaderPosition(self._train_loader)
 
     def _setup_training(self) -> None:
         self._create_train_loader()
@@ -578,6 +584,8 @@ class Trainer:
                     on_backward=lambda loss: self.hooks.call("on_end_backward", self.global_steps_finished, loss),
                 )
         self._prepare_callbacks()
+        if self.checkpointing_enabled and not self._restored:
+            self._loader_position.warn_if_not_resumable()
         if not self._restored:
             self._restored = True
             self._restore_checkpoint()
@@ -594,17 +602,6 @@ class Trainer:
         if self._loader_length is None:
             return steps * self.gradient_accumulation
         return min(self._loader_length, steps * self.gradient_accumulation)
-
-    def _train_sampler_call(self, method: str, *arguments: Any) -> None:
-        sampler = getattr(self._train_loader, "sampler", None)
-        if hasattr(sampler, method):
-            getattr(sampler, method)(*arguments)
-        elif method == "fast_forward" and arguments[0]:
-            raise ValueError(
-                f"resuming mid-epoch needs the train loader's sampler to support fast_forward(n), and "
-                f"{type(sampler).__name__} does not; build it with the sampler(dataset) callable handed to "
-                "get_train_dataloader"
-            )
 
     def _prepare_callbacks(self) -> None:
         """Hand each callback the trainer; look hooks up afresh (callbacks may have changed)."""
@@ -627,8 +624,12 @@ class Trainer:
         so every rank waits for the save and every rank raises if it failed.
         Returns where the checkpoint went, or None when it was not due.
         """
-        trainer_state = self.get_state()  # collective under DDP: every rank builds it
         step = self.global_steps_finished
+        position = self._loader_position
+        if self.progress.batches_finished_in_epoch and position is not None and not position.resumable_mid_epoch:
+            position.skip_save(step)  # a checkpoint no later run could resume
+            return None
+        trainer_state = self.get_state()  # collective under DDP: every rank builds it
         checkpoint = Checkpoint(
             module_state=self.module.get_state(),
             trainer_state=trainer_state,
@@ -686,6 +687,7 @@ class Trainer:
             "rng": capture_rng_state(),
             **self.losses.state_dict(),
             "logged_values": self._metrics.state_dict(),
+            "loader": None if self._loader_position is None else self._loader_position.state_dict(),
         }
         return {
             **self.progress.state_dict(self.backend.world_size, self.train_step_batch_size),
@@ -711,6 +713,7 @@ class Trainer:
         mine = ranks[self.backend.rank % len(ranks)]
         self.losses.load_state_dict(mine)
         self._metrics.load_state_dict(mine["logged_values"], self.device)
+        self._loader_position.load_state_dict(mine.get("loader"))
         self._pending_rng.set(mine["rng"])  # restored around the train loader's iterator (see _start_epoch)
         self.should_stop = bool(state["should_stop"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):

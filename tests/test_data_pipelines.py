@@ -169,3 +169,86 @@ def test_the_progress_bar_counts_steps_of_a_stream(tmp_path, capsys):
     Trainer(StreamModule(Stream()), make_args(tmp_path, disable_tqdm=False), callbacks=[ProgressBar(refresh_seconds=0)]).train()
     drawn = capsys.readouterr().err.replace(" ", "")
     assert "epoch1/1:8step[" in drawn and "/" not in drawn.split("epoch1/1:")[-1].split("step")[0]  # no total
+
+
+# -- no checkpoint that cannot be resumed ---------------------------------------------------
+
+
+class OwnRandomSampler(ToyModule):
+    def get_train_dataloader(self, sampler, batch_size):
+        return DataLoader(self.train_ds, batch_size=batch_size, sampler=torch.utils.data.RandomSampler(self.train_ds))
+
+
+def checkpoints_in(directory) -> List[str]:
+    return sorted(name for name in os.listdir(directory) if name.startswith("checkpoint-"))
+
+
+@pytest.fixture
+def framework_log():
+    """Messages of the ``framework`` logger (which does not propagate to pytest's caplog)."""
+    messages: List[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("framework").addHandler(handler)
+    yield messages
+    logging.getLogger("framework").removeHandler(handler)
+
+
+def test_a_loader_that_cannot_resume_mid_epoch_is_saved_only_at_epoch_ends(tmp_path, framework_log):
+    saving = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), save_every_n_steps=3, period=1, resume="auto")
+    trainer = Trainer(OwnRandomSampler(scheduler=None), make_args(tmp_path, epochs=2, train_batch_size=32, checkpointer_args=saving))
+    trainer.train()
+    said = list(framework_log)
+    assert sum("RandomSampler) has no fast_forward(n)" in line and "saved only at epoch ends" in line for line in said) == 1
+    assert sum("no checkpoint at step" in line for line in said) == 1 and "no checkpoint at step 3 (mid-epoch)" in "".join(said)
+    assert checkpoints_in(tmp_path / "ckpt") == ["checkpoint-000000008.pt", "checkpoint-000000016.pt"]
+    # Every checkpoint it wrote resumes: a longer run continues from the last one.
+    longer = Trainer(OwnRandomSampler(scheduler=None), make_args(tmp_path, epochs=3, train_batch_size=32, checkpointer_args=saving))
+    longer.train()
+    assert longer.global_steps_finished == 24
+
+
+def test_a_stream_without_state_is_saved_only_at_epoch_ends(tmp_path):
+    saving = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), save_every_n_steps=3, period=1)
+    Trainer(StreamModule(Stream()), make_args(tmp_path, epochs=2, checkpointer_args=saving)).train()
+    assert checkpoints_in(tmp_path / "ckpt") == ["checkpoint-000000008.pt", "checkpoint-000000016.pt"]  # not 3, 6, 9, ...
+
+
+class StatefulStream(Stream):
+    """A stream that knows how far it has been read (the dataset state protocol)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = 0
+
+    def __iter__(self):
+        while self.position < len(self.data):
+            index = self.position
+            self.position += 1
+            x, y = self.data[index]
+            yield torch.tensor(index), x, y
+        self.position = 0  # the next epoch starts over
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def test_a_stream_with_state_resumes_mid_epoch_exactly(tmp_path):
+    def run(out, max_steps=None, **checkpointer):
+        module = StreamModule(StatefulStream())
+        module.net[2].p = 0.2  # dropout: RNG states matter too
+        saving = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), period=0, **checkpointer)
+        trainer = Trainer(module, make_args(tmp_path / out, epochs=2, max_steps=max_steps, checkpointer_args=saving))
+        trainer.train()
+        return module, trainer
+
+    reference, _ = run("reference", save_at_end=False)
+    stopped, _ = run("stopped", max_steps=11, save_at_end=True)  # 8 steps per epoch: stops mid-epoch 2
+    assert checkpoints_in(tmp_path / "ckpt") == ["checkpoint-000000011.pt"]
+    resumed, trainer = run("resumed", resume="auto", save_at_end=False)
+    assert trainer.global_steps_finished == 16
+    assert resumed.seen == list(range(24, 64))  # the rest of epoch 2, nothing twice
+    assert torch.equal(flat_parameters(resumed), flat_parameters(reference))

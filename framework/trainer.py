@@ -156,6 +156,11 @@ class Trainer:
         return self.progress.epochs_finished
 
     @property
+    def epoch_resumed(self) -> bool:
+        """True while the current epoch is one a checkpoint resumed mid-way (False in a fresh epoch)."""
+        return self.progress.epoch_resumed
+
+    @property
     def batches_finished_in_epoch(self) -> int:
         """Micro-batches of the current epoch this rank has consumed."""
         return self.progress.batches_finished_in_epoch

@@ -252,3 +252,62 @@ def test_a_stream_with_state_resumes_mid_epoch_exactly(tmp_path):
     assert trainer.global_steps_finished == 16
     assert resumed.seen == list(range(24, 64))  # the rest of epoch 2, nothing twice
     assert torch.equal(flat_parameters(resumed), flat_parameters(reference))
+
+
+# -- ordered data ---------------------------------------------------------------------------
+
+
+class Ordered(ToyModule):
+    """Trains on ``sampler(dataset, shuffle=False)``; records the sample indices per epoch and
+    whether each epoch began as a resumed one."""
+
+    def __init__(self) -> None:
+        super().__init__(n_train=64, val_loaders=0, scheduler=None)
+        x, y = self.train_ds.tensors
+        self.indexed = TensorDataset(torch.arange(64), x, y)
+        self.seen: Dict[int, List[int]] = {}
+        self.began: List[Any] = []
+
+    def get_train_dataloader(self, sampler, batch_size):
+        return DataLoader(self.indexed, batch_size=batch_size, sampler=sampler(self.indexed, shuffle=False))
+
+    def train_step(self, global_step, batch, device):
+        index, x, y = batch
+        self.seen.setdefault(self.current_epoch, []).extend(index.tolist())
+        return F.cross_entropy(self.net(x), y)
+
+    def on_begin_train_epoch(self, global_step, epoch):
+        self.began.append((epoch, self.trainer.epoch_resumed))
+
+
+def test_an_ordered_sampler_keeps_dataset_order_and_resumes_mid_epoch(tmp_path):
+    saving = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), period=0, save_at_end=True, resume="auto")
+    first = Ordered()
+    Trainer(first, make_args(tmp_path, epochs=2, max_steps=11, checkpointer_args=saving)).train()
+    assert first.seen == {0: list(range(64)), 1: list(range(24))}  # 8 per step, in dataset order every epoch
+    resumed = Ordered()
+    Trainer(resumed, make_args(tmp_path, epochs=3, checkpointer_args=saving)).train()
+    assert resumed.seen == {1: list(range(24, 64)), 2: list(range(64))}
+    assert resumed.began == [(1, True), (2, False)]
+
+
+def test_a_bad_shuffle_argument_is_refused(tmp_path):
+    class Bad(Ordered):
+        def get_train_dataloader(self, sampler, batch_size):
+            return DataLoader(self.indexed, sampler=sampler(self.indexed, shuffle="no"))
+
+    with pytest.raises(TypeError, match=r"sampler\(dataset, shuffle='no'\): allowed: True, False or None"):
+        Trainer(Bad(), make_args(tmp_path)).train()
+
+
+def _ordered_rank(rank, out):
+    module = Ordered()
+    Trainer(module, make_args(out, backend="ddp", epochs=2)).train()
+    module.trainer.close()
+    return module.seen
+
+
+def test_an_ordered_sampler_keeps_each_ranks_share_in_order(tmp_path):
+    seen0, seen1 = run_ranks(_ordered_rank, out=str(tmp_path))
+    assert seen0 == {0: list(range(0, 64, 2)), 1: list(range(0, 64, 2))}
+    assert seen1 == {0: list(range(1, 64, 2)), 1: list(range(1, 64, 2))}

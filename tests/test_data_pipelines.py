@@ -311,3 +311,29 @@ def test_an_ordered_sampler_keeps_each_ranks_share_in_order(tmp_path):
     seen0, seen1 = run_ranks(_ordered_rank, out=str(tmp_path))
     assert seen0 == {0: list(range(0, 64, 2)), 1: list(range(0, 64, 2))}
     assert seen1 == {0: list(range(1, 64, 2)), 1: list(range(1, 64, 2))}
+
+
+# -- resume at every coincidence of save and validation points ------------------------------
+
+
+def _coinciding_run(out, checkpointer):
+    module = ToyModule(n_train=64, n_val=16, dropout=0.1, scheduler="step")
+    args = make_args(out, epochs=2, train_batch_size=8, val_every_n_steps=3, val_every_n_epochs=1, log_every_n_steps=2,
+                     checkpointer_args=checkpointer)
+    trainer = Trainer(module, args)
+    history = trainer.train()
+    return flat_parameters(module), history.records
+
+
+def test_resume_from_every_step_where_saves_and_validations_coincide_and_interleave(tmp_path):
+    # 8 steps per epoch; validation every 3 steps and at epoch ends (steps 3, 6, 8, 9, 12, 15, 16);
+    # a checkpoint after every step, and one at each epoch end.
+    every_step = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), save_every_n_steps=1, period=1, save_at_end=False)
+    reference, records = _coinciding_run(tmp_path / "reference", every_step)
+    validated = [record["step"] for record in records if record["name"] == "val_loss"]
+    assert validated == [3, 6, 8, 9, 12, 15, 16]  # each step validated once, the epoch end included
+    for checkpoint in checkpoints_in(tmp_path / "ckpt"):
+        resume = DefaultCheckpointerArguments(load_filename=str(tmp_path / "ckpt" / checkpoint), period=0, save_at_end=False)
+        parameters, resumed_records = _coinciding_run(tmp_path / checkpoint, resume)
+        assert torch.equal(parameters, reference), checkpoint
+        assert resumed_records == records, checkpoint

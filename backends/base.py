@@ -106,9 +106,29 @@ class TrainerBackend:
         self.strategy.teardown()
 
     # -- data -----------------------------------------------------------------------
-    def sampler_factory(self, shuffle: bool, seed: int) -> Callable[[Sized], Any]:
-        """The ``sampler`` callable handed to the module's data-loader methods."""
-        return lambda dataset: self.strategy.create_sampler(dataset, shuffle=shuffle, seed=seed)
+    def sampler_factory(self, shuffle: bool, seed: int) -> Callable[..., Any]:
+        """The ``sampler`` callable handed to the module's data-loader methods.
+
+        ``sampler(dataset)`` shuffles for training and keeps dataset order for evaluation;
+        ``sampler(dataset, shuffle=False)`` keeps dataset order for training too (each rank's
+        share in order; still padded to equal shares and resumable mid-epoch), and
+        ``shuffle=True`` shuffles an evaluation set (not padded).
+        """
+
+        default_shuffle = shuffle
+
+        def sampler(dataset: Sized, shuffle: Optional[bool] = None) -> Any:
+            if shuffle is None or shuffle == default_shuffle:
+                return self.strategy.create_sampler(dataset, shuffle=default_shuffle, seed=seed)
+            if not isinstance(shuffle, bool):
+                raise TypeError(f"sampler(dataset, shuffle={shuffle!r}): allowed: True, False or None (the default)")
+            return self.strategy.create_sampler(dataset, shuffle=shuffle, seed=seed, pad=default_shuffle)
+
+        return sampler
+
+    def prepare_loader(self, loader: Any) -> Any:
+        """The module's loader as this rank reads it (streams sharded by rank and worker)."""
+        return self.strategy.prepare_loader(loader)
 
     def move_to_device(self, batch: Any) -> Any:
         """``batch`` with every tensor inside it on :attr:`device`.

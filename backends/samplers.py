@@ -1,5 +1,6 @@
 """The one sampler every built-in strategy hands out: seeded, sharded, resumable."""
 
+from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Sized, Tuple
 
 import torch
@@ -99,21 +100,28 @@ def interleave_ranks(per_rank: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
     """Merge every rank's joined outputs into dataset order.
 
     The ordered evaluation :class:`ResumableSampler` gives rank ``r`` of ``W`` the samples ``r, r + W, ...``,
-    so item ``j`` of rank ``r`` is sample ``j * W + r``. Outputs without a batch dimension
-    are returned as a list over ranks.
+    so item ``j`` of rank ``r`` is sample ``j * W + r``. Dicts are merged key by key, lists
+    (per-step values that are not tensors) are concatenated rank after rank, so the result
+    has the shape a single process would give; anything else becomes a list over ranks.
 
     Example:
-        >>> interleave_ranks([(torch.tensor([0, 2]),), (torch.tensor([1]),)])
-        (tensor([0, 1, 2]),)
+        >>> interleave_ranks([(torch.tensor([0, 2]), {"p": torch.tensor([0, 2])}), (torch.tensor([1]), {"p": torch.tensor([1])})])
+        (tensor([0, 1, 2]), {'p': tensor([0, 1, 2])})
     """
     world_size = len(per_rank)
     ranks = [rank for rank, outputs in enumerate(per_rank) if outputs]  # fewer samples than ranks
-    merged: List[Any] = []
-    for position in range(len(per_rank[ranks[0]]) if ranks else 0):
-        parts = [per_rank[rank][position] for rank in ranks]
-        if not all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in parts):
-            merged.append(parts)
-            continue
+    return tuple(
+        _merge([per_rank[rank][position] for rank in ranks], ranks, world_size)
+        for position in range(len(per_rank[ranks[0]]) if ranks else 0)
+    )
+
+
+def _merge(parts: List[Any], ranks: List[int], world_size: int) -> Any:
+    if all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in parts):
         order = torch.cat([torch.arange(len(part)) * world_size + rank for rank, part in zip(ranks, parts)])
-        merged.append(torch.cat(parts)[torch.argsort(order)])
-    return tuple(merged)
+        return torch.cat(parts)[torch.argsort(order)]
+    if all(isinstance(part, Mapping) for part in parts) and all(part.keys() == parts[0].keys() for part in parts):
+        return {key: _merge([part[key] for part in parts], ranks, world_size) for key in parts[0]}
+    if all(isinstance(part, list) for part in parts):
+        return [item for part in parts for item in part]
+    return list(parts)

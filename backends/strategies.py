@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from backends.batch import map_tensors
 from backends.environments import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
 from backends.samplers import ResumableSampler, interleave_ranks
+from backends.streams import shard_stream
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +91,19 @@ class Strategy:
     def teardown(self) -> None:
         """Release what :meth:`setup` acquired; safe to call twice."""
 
-    def create_sampler(self, dataset: Sized, shuffle: bool, seed: int) -> ResumableSampler:
-        """The sampler for ``dataset``: shuffled for training, ordered for evaluation."""
-        return ResumableSampler(dataset, shuffle=shuffle, seed=seed, rank=self.rank, world_size=self.world_size, pad=shuffle)
+    def create_sampler(self, dataset: Sized, shuffle: bool, seed: int, pad: Optional[bool] = None) -> ResumableSampler:
+        """The sampler for ``dataset``: shuffled for training, ordered for evaluation.
+
+        ``pad`` (default: ``shuffle``) evens the ranks' shares by repeating samples: training
+        pads (no rank waits for another), evaluation does not (each sample counts once).
+        """
+        pad = shuffle if pad is None else pad
+        return ResumableSampler(dataset, shuffle=shuffle, seed=seed, rank=self.rank, world_size=self.world_size, pad=pad)
+
+    def prepare_loader(self, loader: Any) -> Any:
+        """The module's loader, ready for this rank: a stream (``IterableDataset``) is sharded by
+        rank and by loader worker (see :class:`~backends.streams.ShardedStream`)."""
+        return shard_stream(loader, self.rank, self.world_size)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module that training forwards go through."""

@@ -28,9 +28,12 @@ def main(argv=None) -> float:
     seed_everything(config.trainer.seed)  # before the model is built, so its initial weights repeat
     trainer = Trainer(module=DigitsClassifier(config.model), args=config.trainer)
     history = trainer.train()
+    accuracy = history.latest("val_accuracy")
+    if accuracy is None:  # stopped before any validation (e.g. --trainer.max_steps 3): measure the final weights
+        accuracy = trainer.validate()["val_accuracy"]
     if trainer.is_main_process:
-        print(f"final val_accuracy={history.latest('val_accuracy'):.4f}")
-    return history.latest("val_accuracy")
+        print(f"final val_accuracy={accuracy:.4f}")
+    return accuracy
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from backends import TrainerBackend
 from framework.arguments import TrainerArguments
 from framework.checks import report_no_loaders
 from framework.hooks import HookDispatcher
-from framework.metrics import MetricCollector, reduce_metrics
+from framework.metrics import MetricCollector, infer_batch_size, reduce_metrics
 from framework.module import ModuleInterface, as_loader_dict
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
@@ -20,8 +20,11 @@ class Evaluator:
 
     For each loader: ``on_begin_<stage>_epoch``, the step method on every batch under
     ``torch.no_grad()``, the outputs of every rank gathered in dataset order, then
-    ``on_end_<stage>_epoch`` with them; the mean of the first output becomes
+    ``on_end_<stage>_epoch`` with them; the mean of the first output over every sample becomes
     ``<stage>_loss`` (``/<name>`` for named loaders), next to what the steps and the hook logged.
+    A per-sample loss counts each element; a scalar loss is weighted by its batch's size, so
+    the value is exact whatever the batch sizes and the world size. A rank that got no batch
+    (fewer samples than ranks) still joins every collective.
 
     Args:
         module: the user's module.
@@ -59,13 +62,13 @@ class Evaluator:
         loaders = as_loader_dict(get_loaders(sampler, batch_size), get_loaders.__name__)
         if not loaders and stage is Stage.TEST:
             report_no_loaders(get_loaders.__name__)
-        return loaders
+        return {name: self.backend.prepare_loader(loader) for name, loader in loaders.items()}
 
     def run(self, stage: Stage, global_step: int, batch_size: int, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
         """Evaluate every loader of ``stage``; with ``record=False`` (sanity checks) only run the steps."""
         results: Dict[str, float] = {}
         was_training = self.module.training
-        previous_logger, collector = self.module.__dict__.get("_metric_logger"), MetricCollector()
+        previous_logger, collector, losses = self.module.__dict__.get("_metric_logger"), MetricCollector(), MetricCollector()
         self.module.__dict__["_metric_logger"] = collector
         self.module.eval()
         try:
@@ -73,15 +76,18 @@ class Evaluator:
                 if record:
                     self.hooks.call(f"on_begin_{stage.value}_epoch", global_step, key=key)
                 limit = max_batches or _batch_limit(self.args.max_val_steps_per_epoch, loader)
-                collected = self._run_steps(stage, global_step, loader, limit)
+                collected = self._run_steps(stage, global_step, loader, limit, losses)
                 if not record:
+                    losses.pop_epoch()
                     continue
                 outputs = self.backend.strategy.gather_in_dataset_order(concatenate_outputs(collected))
                 suffix = f"/{key}" if key else ""
-                metrics = {f"{stage.value}_loss{suffix}": float(outputs[0].float().mean())} if outputs else {}
                 self.hooks.call(f"on_end_{stage.value}_epoch", global_step, *outputs, key=key)
-                logged = reduce_metrics(collector.pop_epoch(), self.backend.all_reduce, self.backend.device)
-                metrics.update({f"{name}{suffix}": value for name, value in logged.items()})
+                loss_name = f"{stage.value}_loss"
+                to_reduce = {**{f"/{name}": logged for name, logged in collector.pop_epoch().items()}, **losses.pop_epoch()}
+                reduced = reduce_metrics(to_reduce, self.backend.all_reduce, self.backend.device, self.backend.all_gather_object)
+                metrics = {f"{loss_name}{suffix}": reduced[loss_name]} if loss_name in reduced else {}
+                metrics.update({f"{name[1:]}{suffix}": value for name, value in reduced.items() if name.startswith("/")})
                 self.record(metrics)
                 results.update(metrics)
         finally:
@@ -89,15 +95,22 @@ class Evaluator:
             self.module.__dict__["_metric_logger"] = previous_logger
         return results
 
-    def _run_steps(self, stage: Stage, global_step: int, loader: Iterable, limit: Optional[int]) -> List[Tuple[Any, ...]]:
+    def _run_steps(
+        self, stage: Stage, global_step: int, loader: Iterable, limit: Optional[int], losses: MetricCollector
+    ) -> List[Tuple[Any, ...]]:
+        """Every step's outputs; each step's loss goes into ``losses`` weighted by its samples."""
         collected = []
-        method, device = f"{stage.value}_step", self.backend.device
+        method, device, loss_name = f"{stage.value}_step", self.backend.device, f"{stage.value}_loss"
         with torch.no_grad():
             for index, batch in enumerate(loader):
                 if limit is not None and index >= limit:
                     break
                 batch = self.backend.move_to_device(batch)
-                collected.append(as_outputs(self.backend.forward(self.runner, stage, global_step, batch, device), method))
+                outputs = as_outputs(self.backend.forward(self.runner, stage, global_step, batch, device), method)
+                loss = outputs[0]
+                if loss.numel():
+                    losses.log(loss_name, loss, batch_size=loss.numel() if loss.dim() else infer_batch_size(batch))
+                collected.append(outputs)
         return collected
 
 

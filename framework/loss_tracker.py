@@ -29,7 +29,9 @@ class LossTracker:
     ``add`` keeps the detached loss; the kept losses are folded into a running sum with one
     device op when read (at log points and epoch ends) or every 1024 micro-batches. The
     fold also remembers the first optimizer step whose loss was not finite, so a diverged
-    run can be reported by step without a host sync per step.
+    run can be reported by step without a host sync per step. Sums are float64 (float32 on
+    MPS), in which adding float32 losses is exact in practice: the logged means do not depend
+    on where folds happened, so a run resumed from a checkpoint logs bitwise the same values.
 
     Args:
         device: where the sums live.
@@ -47,9 +49,10 @@ class LossTracker:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._dtype = torch.float32 if device.type == "mps" else torch.float64
         self._unsummed: List[torch.Tensor] = []
         self._unsummed_steps: List[int] = []
-        self._epoch_sum = torch.zeros((), device=device)
+        self._epoch_sum = torch.zeros((), dtype=self._dtype, device=device)
         self._epoch_count = 0
         self._logged_sum = self._epoch_sum.clone()
         self._logged_count = 0
@@ -59,7 +62,7 @@ class LossTracker:
         """Forget the previous epoch's sums."""
         self._unsummed = []
         self._unsummed_steps = []
-        self._epoch_sum = torch.zeros((), device=self.device)
+        self._epoch_sum = torch.zeros((), dtype=self._dtype, device=self.device)
         self._epoch_count = 0
         self._logged_sum, self._logged_count = self._epoch_sum.clone(), 0
 
@@ -74,7 +77,7 @@ class LossTracker:
     def _fold(self) -> None:
         if not self._unsummed:
             return
-        losses = torch.stack([loss.float().reshape(()) for loss in self._unsummed])
+        losses = torch.stack([loss.to(self._dtype).reshape(()) for loss in self._unsummed])
         self._epoch_sum += losses.sum()
         steps = torch.tensor(self._unsummed_steps, device=self.device)
         first_here = torch.where(torch.isfinite(losses), _NO_STEP, steps).min()
@@ -124,9 +127,9 @@ class LossTracker:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.start_epoch()
-        self._epoch_sum = state["running_loss"].to(self.device)
+        self._epoch_sum = state["running_loss"].to(self.device, self._dtype)
         self._epoch_count = int(state["running_count"])
-        self._logged_sum = state["logged_loss"].to(self.device)
+        self._logged_sum = state["logged_loss"].to(self.device, self._dtype)
         self._logged_count = int(state["logged_count"])
         self._unsummed = [loss.to(self.device) for loss in state.get("unsummed_losses", [])]
         self._unsummed_steps = [int(step) for step in state.get("unsummed_steps", [])]

@@ -1,7 +1,10 @@
 """Metric history (queryable, checkpointed) and the device-side collector behind ``module.log``."""
 
+import dataclasses
+import functools
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -63,37 +66,98 @@ class MetricHistory:
         self.records = [dict(record) for record in state["records"]]
 
 
+class Logged(NamedTuple):
+    """One collected metric: its value, how it is reduced, and its weight.
+
+    For ``mean`` the value is the weighted mean on this rank and ``weight`` the total weight
+    (samples) behind it, so ranks combine into the mean over every sample; other reductions
+    ignore the weight.
+    """
+
+    value: torch.Tensor
+    reduce: str
+    weight: float = 1.0
+
+
+def infer_batch_size(batch: Any) -> int:
+    """The size of ``batch`` as Lightning infers it: the first tensor's first dimension
+    (a 0-d tensor or a batch without tensors counts as 1).
+
+    Example:
+        >>> infer_batch_size({"x": torch.ones(8, 3), "y": torch.ones(8)})
+        8
+    """
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items: Any = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+    elif isinstance(batch, Mapping):
+        items = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return 1
+    for item in items:
+        if _holds_tensor(item):
+            return infer_batch_size(item)
+    return 1
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_holds_tensor(getattr(obj, field.name)) for field in dataclasses.fields(obj))
+    if isinstance(obj, Mapping):
+        return any(_holds_tensor(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(value) for value in obj)
+    return False
+
+
 class MetricCollector:
     """Collects ``module.log(...)`` values on the device until the trainer writes them.
 
     Nothing here reads a tensor back to the host: step values are kept as the latest
-    tensor, epoch values as a running sum/max/min plus a count. A tensor value stays on its
-    device; a Python number becomes a CPU tensor (the trainer moves it before reducing).
+    tensor, epoch values as a running weighted mean, sum, max or min. A ``mean`` is weighted
+    by the batch size (``batch_size=``, else inferred from the batch of the step being run:
+    its first tensor's first dimension; 1 outside a step), so the epoch value is the mean over
+    samples whatever the batch sizes. Floating values keep their dtype (float64 stays float64);
+    a Python number becomes a tensor of the default dtype on the CPU.
 
     Example:
         >>> collector = MetricCollector()
-        >>> collector.log("acc", torch.tensor(0.5)); collector.log("acc", torch.tensor(1.0))
-        >>> {name: float(value) for name, (value, _) in collector.pop_epoch().items()}
-        {'acc': 0.75}
+        >>> collector.log("acc", torch.tensor(0.5), batch_size=1); collector.log("acc", torch.tensor(1.0), batch_size=3)
+        >>> {name: float(logged.value) for name, logged in collector.pop_epoch().items()}
+        {'acc': 0.875}
     """
 
     def __init__(self) -> None:
-        self._step: Dict[str, Tuple[torch.Tensor, str]] = {}
+        self._step: Dict[str, Logged] = {}
         self._epoch: Dict[str, List[Any]] = {}
         self._reductions: Dict[str, str] = {}
         self._on_step: set = set()
+        self.batch: Any = None  # the batch of the step being run (set by the step dispatcher)
 
     def log(
-        self, name: str, value: Union[torch.Tensor, float], on_step: bool = False, on_epoch: bool = True, reduce: str = "mean"
+        self,
+        name: str,
+        value: Union[torch.Tensor, float],
+        on_step: bool = False,
+        on_epoch: bool = True,
+        reduce: str = "mean",
+        batch_size: Optional[int] = None,
     ) -> None:
         """Keep ``value`` (a tensor with one or more elements, or a number) under ``name``.
 
         A tensor with several elements is first reduced with ``reduce`` (``mean`` of a
-        per-sample tensor, etc.).
+        per-sample tensor, etc.). ``batch_size`` weights a ``mean`` (default: inferred from
+        the current batch).
 
         Raises:
             ValueError: an empty name, an unknown ``reduce``, a ``reduce`` that differs from
-                an earlier call for the same name, or ``on_step`` and ``on_epoch`` both off.
+                an earlier call for the same name, ``on_step`` and ``on_epoch`` both off, or a
+                negative ``batch_size``.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"log(name={name!r}): the name must be a non-empty string")
@@ -101,11 +165,15 @@ class MetricCollector:
             raise ValueError(f"log({name!r}, reduce={reduce!r}): allowed reductions are {_REDUCTIONS}")
         if not (on_step or on_epoch):
             raise ValueError(f"log({name!r}, on_step=False, on_epoch=False) would record nothing; set one of them")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
+            raise ValueError(f"log({name!r}, batch_size={batch_size!r}): allowed: an integer >= 0, or None to infer it")
         previous = self._reductions.setdefault(name, reduce)
         if previous != reduce:
             raise ValueError(f"log({name!r}, reduce={reduce!r}): this metric was logged with reduce={previous!r}")
         if isinstance(value, torch.Tensor):
-            value = value.detach().float()
+            value = value.detach()
+            if not value.is_floating_point():
+                value = value.to(torch.get_default_dtype())
         elif isinstance(value, (int, float)):
             value = torch.tensor(float(value))
         else:
@@ -115,75 +183,118 @@ class MetricCollector:
         if value.numel() != 1:
             value = value.mean() if reduce == "mean" else getattr(value, reduce)()
         value = value.reshape(())
+        weight = 1.0
+        if reduce == "mean":
+            weight = float(batch_size if batch_size is not None else (1 if self.batch is None else infer_batch_size(self.batch)))
         if on_step:
-            self._step[name] = (value, reduce)
+            self._step[name] = Logged(value, reduce, weight)
             self._on_step.add(name)
         if on_epoch:
-            entry = self._epoch.get(name)
-            if entry is None:
-                self._epoch[name] = [value.clone(), 1, reduce]
-            elif reduce in ("mean", "sum"):
-                entry[0] += value.to(entry[0].device)
-                entry[1] += 1
-            else:
-                other = value.to(entry[0].device)
-                entry[0] = torch.maximum(entry[0], other) if reduce == "max" else torch.minimum(entry[0], other)
+            self._accumulate(name, value, reduce, weight)
+
+    def _accumulate(self, name: str, value: torch.Tensor, reduce: str, weight: float) -> None:
+        entry = self._epoch.get(name)
+        if entry is None:
+            self._epoch[name] = [value * weight if reduce == "mean" else value.clone(), weight, reduce]
+            return
+        other = value.to(entry[0].device)
+        if reduce == "mean":
+            entry[0] = entry[0] + other * weight
+            entry[1] += weight
+        elif reduce == "sum":
+            entry[0] = entry[0] + other
+        else:
+            entry[0] = torch.maximum(entry[0], other) if reduce == "max" else torch.minimum(entry[0], other)
 
     def state_dict(self) -> Dict[str, Any]:
         """Values not yet written (checkpointed so a mid-epoch resume reports the same metrics)."""
         return {
-            "step": {name: [value.detach().cpu().clone(), reduce] for name, (value, reduce) in self._step.items()},
-            "epoch": {name: [value.detach().cpu().clone(), count, reduce] for name, (value, count, reduce) in self._epoch.items()},
+            "step": {name: [logged.value.detach().cpu().clone(), logged.reduce, logged.weight] for name, logged in self._step.items()},
+            "epoch": {name: [value.detach().cpu().clone(), weight, reduce] for name, (value, weight, reduce) in self._epoch.items()},
             "reductions": dict(self._reductions),
             "on_step": sorted(self._on_step),
         }
 
     def load_state_dict(self, state: Dict[str, Any], device: Optional[torch.device] = None) -> None:
         """Restore what :meth:`state_dict` returned, with tensors on ``device``."""
-        self._step = {name: (value.to(device), reduce) for name, (value, reduce) in state["step"].items()}
-        self._epoch = {name: [value.to(device), count, reduce] for name, (value, count, reduce) in state["epoch"].items()}
+        self._step = {name: Logged(entry[0].to(device), entry[1], *entry[2:]) for name, entry in state["step"].items()}
+        self._epoch = {name: [value.to(device), weight, reduce] for name, (value, weight, reduce) in state["epoch"].items()}
         self._reductions = dict(state["reductions"])
         self._on_step = set(state["on_step"])
 
-    def pop_step(self) -> Dict[str, Tuple[torch.Tensor, str]]:
-        """Latest step values (name -> (tensor, reduce)); clears them."""
+    def pop_step(self) -> Dict[str, Logged]:
+        """Latest step values (name -> :class:`Logged`); clears them."""
         values, self._step = self._step, {}
         return dict(sorted(values.items()))
 
-    def pop_epoch(self) -> Dict[str, Tuple[torch.Tensor, str]]:
-        """Epoch aggregates (name -> (tensor, reduce)); clears them. A metric also logged
+    def pop_epoch(self) -> Dict[str, Logged]:
+        """Epoch aggregates (name -> :class:`Logged`); clears them. A metric also logged
         ``on_step`` is named ``<name>_epoch`` here (as ``train_loss`` / ``train_loss_epoch``)."""
         aggregates, self._epoch = self._epoch, {}
         result = {}
-        for name, (value, count, reduce) in sorted(aggregates.items()):
+        for name, (value, weight, reduce) in sorted(aggregates.items()):
             key = f"{name}_epoch" if name in self._on_step else name
-            result[key] = (value / count if reduce == "mean" else value, reduce)
+            if reduce == "mean":
+                result[key] = Logged(value / weight if weight else value, reduce, weight)
+            else:
+                result[key] = Logged(value, reduce)
         return result
 
 
+_IDENTITY = {"mean": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
+
+
 def reduce_metrics(
-    collected: Dict[str, Tuple[torch.Tensor, str]],
+    collected: Dict[str, Tuple[Any, ...]],
     all_reduce: Callable[[torch.Tensor, str], torch.Tensor],
     device: Optional[torch.device] = None,
+    all_gather_object: Optional[Callable[[Any], List[Any]]] = None,
 ) -> Dict[str, float]:
     """Reduce collected values over ranks and read them back: one ``all_reduce`` and one
     host sync per reduction kind, however many metrics there are.
 
-    Every rank must pass the same names (log the same metrics on every rank).
+    ``collected`` maps names to :class:`Logged` (or ``(value, reduce)`` pairs, weight 1). A
+    ``mean`` is weighted: the sum of ``value * weight`` over ranks divided by the sum of the
+    weights, so it is the mean over every sample on any world size. Values are reduced in
+    their promoted dtype (float64 stays float64).
+
+    Without ``all_gather_object`` every rank must pass the same names. With it, the ranks
+    first agree on the union of their names (one object gather), and a rank that logged
+    nothing (no evaluation batch) joins with neutral values instead of leaving the others
+    waiting.
 
     Example:
-        >>> reduce_metrics({"acc": (torch.tensor(0.5), "mean")}, lambda tensor, op: tensor)
+        >>> reduce_metrics({"acc": Logged(torch.tensor(0.5), "mean", 4.0)}, lambda tensor, op: tensor)
         {'acc': 0.5}
     """
+    entries = {name: Logged(*entry) for name, entry in collected.items()}
+    if all_gather_object is not None:
+        specs: Dict[str, Tuple[str, str]] = {}
+        for rank_specs in all_gather_object({name: (entry.reduce, str(entry.value.dtype)) for name, entry in entries.items()}):
+            for name, spec in rank_specs.items():
+                specs.setdefault(name, spec)
+        for name, (reduce, dtype) in sorted(specs.items()):
+            if name not in entries:
+                neutral = torch.tensor(_IDENTITY[reduce], dtype=getattr(torch, dtype.replace("torch.", "")), device=device)
+                entries[name] = Logged(neutral, reduce, 0.0)
+        entries = dict(sorted(entries.items()))
     by_reduction: Dict[str, List[str]] = {}
-    for name, (_, reduce) in collected.items():
-        by_reduction.setdefault(reduce, []).append(name)
+    for name, entry in entries.items():
+        by_reduction.setdefault(entry.reduce, []).append(name)
     result: Dict[str, float] = {}
     for reduce, names in sorted(by_reduction.items()):
-        stacked = torch.stack([collected[name][0].to(device) if device is not None else collected[name][0] for name in names])
-        for name, value in zip(names, all_reduce(stacked, reduce).tolist()):
+        values = [entries[name].value.to(device) if device is not None else entries[name].value for name in names]
+        dtype = functools.reduce(torch.promote_types, [value.dtype for value in values])
+        stacked = torch.stack([value.to(dtype) for value in values])
+        if reduce == "mean":
+            weights = torch.tensor([entries[name].weight for name in names], dtype=dtype, device=stacked.device)
+            sums = all_reduce(torch.stack([stacked * weights, weights]), "sum")
+            reduced = torch.where(sums[1] > 0, sums[0] / sums[1].clamp_min(torch.finfo(dtype).tiny), stacked)
+        else:
+            reduced = all_reduce(stacked, reduce)
+        for name, value in zip(names, reduced.tolist()):
             result[name] = value
-    return {name: result[name] for name in collected}
+    return {name: result[name] for name in entries}
 
 
 def is_finite(value: float) -> bool:

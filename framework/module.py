@@ -156,16 +156,20 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         on_step: bool = False,
         on_epoch: bool = True,
         reduce: str = "mean",
+        batch_size: Optional[int] = None,
     ) -> None:
         """Record a metric from inside a step; it stays on the device until it is written.
 
         ``on_step`` values are written at the next ``log_every_n_steps`` point; ``on_epoch``
         values are reduced (``mean``, ``sum``, ``max`` or ``min``) over the epoch and over
-        ranks when the train or evaluation epoch ends. Outside a trainer this does nothing.
+        ranks when the train or evaluation epoch ends. A ``mean`` is weighted by
+        ``batch_size`` (default: the first dimension of the step's batch's first tensor, as
+        Lightning infers it; 1 outside a step), so the epoch value is the mean over samples on
+        any world size. Outside a trainer this does nothing.
         """
         metric_logger = self.__dict__.get("_metric_logger")
         if metric_logger is not None:
-            metric_logger.log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce)
+            metric_logger.log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce, batch_size=batch_size)
 
 
 class StepRunner(torch.nn.Module):
@@ -183,7 +187,14 @@ class StepRunner(torch.nn.Module):
         self.__dict__["_target"] = module  # plain attribute: no nn.Module lookup per step
 
     def forward(self, stage: Stage, global_step: int, batch: Any, device: torch.device, *extra: Any) -> Any:
-        return getattr(self._target, self._STEP_METHODS[stage])(global_step, batch, device, *extra)
+        collector = self._target.__dict__.get("_metric_logger")
+        if collector is None:
+            return getattr(self._target, self._STEP_METHODS[stage])(global_step, batch, device, *extra)
+        collector.batch = batch  # self.log weights a mean by this batch's size
+        try:
+            return getattr(self._target, self._STEP_METHODS[stage])(global_step, batch, device, *extra)
+        finally:
+            collector.batch = None
 
 
 def as_loader_dict(loaders: Loaders, method: str) -> Dict[str, DataLoader]:

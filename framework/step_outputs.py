@@ -1,5 +1,6 @@
 """What steps return: normalising it and joining it over steps."""
 
+from collections.abc import Mapping
 from typing import Any, List, Tuple
 
 import torch
@@ -29,16 +30,18 @@ def as_outputs(value: Any, method: str) -> Tuple[Any, ...]:
 
 def concatenate_outputs(per_step: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
     """Join each output position over steps: tensors with a batch dim are concatenated,
-    0-d tensors stacked, anything else listed.
+    0-d tensors stacked, dicts joined key by key (the same rules inside), anything else listed.
 
     Example:
-        >>> concatenate_outputs([(torch.ones(2),), (torch.zeros(1),)])
-        (tensor([1., 1., 0.]),)
+        >>> concatenate_outputs([(torch.ones(2), {"p": torch.ones(2)}), (torch.zeros(1), {"p": torch.zeros(1)})])
+        (tensor([1., 1., 0.]), {'p': tensor([1., 1., 0.])})
     """
-    joined = []
-    for parts in zip(*per_step):
-        if all(isinstance(p, torch.Tensor) for p in parts):
-            joined.append(torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts]))
-        else:
-            joined.append(list(parts))
-    return tuple(joined)
+    return tuple(_join(list(parts)) for parts in zip(*per_step))
+
+
+def _join(parts: List[Any]) -> Any:
+    if parts and all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat([p.reshape(-1, *p.shape[1:]) if p.dim() else p.reshape(1) for p in parts])
+    if parts and all(isinstance(p, Mapping) for p in parts) and all(p.keys() == parts[0].keys() for p in parts):
+        return {key: _join([p[key] for p in parts]) for key in parts[0]}
+    return list(parts)

@@ -20,6 +20,7 @@ from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.hooks import HookDispatcher
 from framework.logging_setup import configure_logging
+from framework.loader_position import LoaderPosition
 from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
@@ -27,6 +28,7 @@ from framework.module import ModuleInterface, StepRunner
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
 from framework.run_directory import claim_run_directory
+from framework.schedulers import build_optimizers_schedulers
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
 from framework.tbptt import split_along_time
@@ -116,6 +118,8 @@ class Trainer:
         self.manual_optimization: Optional[ManualOptimization] = None
         self._train_loader: Optional[DataLoader] = None
         self._loader_length: Optional[int] = None
+        self._loader_position: Optional[LoaderPosition] = None
+        self._stream_ended = False  # a stream without a length ran out in this epoch
         self._runner = StepRunner(module)
         self._wrapped: Optional[torch.nn.Module] = None
         self._parameters: List[torch.nn.Parameter] = []
@@ -154,6 +158,11 @@ class Trainer:
     def epochs_finished(self) -> int:
         """Epochs finished."""
         return self.progress.epochs_finished
+
+    @property
+    def epoch_resumed(self) -> bool:
+        """True while the current epoch is one a checkpoint resumed mid-way (False in a fresh epoch)."""
+        return self.progress.epoch_resumed
 
     @property
     def batches_finished_in_epoch(self) -> int:
@@ -217,9 +226,11 @@ class Trainer:
         args, progress = self.args, self.progress
         cycles = accumulation_cycles(self._micro_batches_this_epoch(), self.gradient_accumulation, progress.batches_finished_in_epoch)
         batches = self._start_epoch()
+        self._stream_ended = False
         for cycle_length in cycles:
             micro_batches = self._train_step(batches, cycle_length)
             if not micro_batches:
+                self._stream_ended = True
                 break  # a stream without a length ran out
             progress.finish_step(micro_batches)
             step = progress.global_steps_finished
@@ -360,8 +371,7 @@ class Trainer:
     def _start_epoch(self) -> Iterator[Any]:
         """Position the sampler (and the RNG) where the epoch continues; ``on_begin_train_epoch``."""
         progress = self.progress
-        self._train_sampler_call("set_epoch", progress.epochs_finished)
-        self._train_sampler_call("fast_forward", progress.batches_finished_in_epoch * self.train_step_batch_size)
+        self._loader_position.start_epoch(progress.epochs_finished, progress.batches_finished_in_epoch * self.train_step_batch_size)
         # Creating a DataLoader iterator draws a seed from the global RNG. A resumed run
         # restores the saved RNG where the saved run was: before that draw at an epoch
         # boundary, after it mid-epoch.
@@ -377,7 +387,8 @@ class Trainer:
     def _end_epoch(self) -> None:
         """Epoch metrics, epoch schedulers, validation and the epoch-end checkpoint."""
         progress = self.progress
-        epoch_completed = progress.batches_finished_in_epoch >= (self._micro_batches_this_epoch() or 0)
+        planned = self._micro_batches_this_epoch()
+        epoch_completed = self._stream_ended if planned is None else progress.batches_finished_in_epoch >= planned
         if self._preempted or (not epoch_completed and self._should_end_training()):
             return  # stopped mid-epoch: the final checkpoint records the position
         self._end_train_epoch()
@@ -401,7 +412,7 @@ class Trainer:
         outputs = concatenate_outputs(self._kept_outputs)
         self._kept_outputs = []
         self.hooks.call("on_end_train_epoch", self.global_steps_finished, *outputs)
-        self._record(self._reduce_collected(self._metrics.pop_epoch()))  # from steps and the hook above
+        self._record(self._reduce_collected(self._metrics.pop_epoch(), agree_on_names=True))  # from steps and the hook above
 
     def _log_epoch_summary(self) -> None:
         epoch = self.epochs_finished
@@ -529,8 +540,9 @@ class Trainer:
             raise TrainingDiverged(first, value)
         self._record({name: value})
 
-    def _reduce_collected(self, collected: Dict[str, Tuple[torch.Tensor, str]]) -> Dict[str, float]:
-        return reduce_metrics(collected, self.backend.all_reduce, self.device)
+    def _reduce_collected(self, collected: Dict[str, Tuple[Any, ...]], agree_on_names: bool = False) -> Dict[str, float]:
+        gather = self.backend.all_gather_object if agree_on_names else None  # once per epoch: a rank may have logged nothing
+        return reduce_metrics(collected, self.backend.all_reduce, self.device, gather)
 
     def log_metrics(self, metrics: Dict[str, float]) -> None:
         """Record host-side values now (history, writers on rank zero, ``on_log_metrics`` hooks).
@@ -568,14 +580,16 @@ class Trainer:
         if self._train_loader is not None:
             return
         sampler = self.backend.sampler_factory(shuffle=True, seed=self.args.seed)
-        self._train_loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
-        checks.check_train_dataloader(self._train_loader)
+        loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
+        checks.check_train_dataloader(loader)
+        self._train_loader = self.backend.prepare_loader(loader)
         try:
             length: Optional[int] = len(self._train_loader)
         except TypeError:
             length = None
         self._loader_length = None if length is None else self.backend.strategy.min_over_ranks(length)
         checks.check_train_loader_not_empty(self._train_loader, self._loader_length, self.train_step_batch_size)
+        self._loader_position = LoaderPosition(self._train_loader)
 
     def _setup_training(self) -> None:
         self._create_train_loader()
@@ -583,9 +597,7 @@ class Trainer:
             self._wrapped = self.backend.wrap_module(self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
-            self.optimizers, self.schedulers = checks.check_optimizers_schedulers(
-                self.module.get_optimizers_schedulers(self.estimated_global_steps_per_epoch, self.args.epochs)
-            )
+            self.optimizers, self.schedulers = build_optimizers_schedulers(self.module, self.estimated_global_steps_per_epoch, self.args.epochs)
             self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
             if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
                 raise ValueError(
@@ -600,6 +612,8 @@ class Trainer:
         self._prepare_callbacks()
         if not self._restored:
             self._restored = True
+            if self.checkpointing_enabled:
+                self._loader_position.warn_if_not_resumable()
             if not self.args.fast_dev_run:  # before anything is written: never overwrite another run's files
                 claim_run_directory(self.args.output_dir, self.checkpointer, self.backend)
             self._restore_checkpoint()
@@ -616,17 +630,6 @@ class Trainer:
         if self._loader_length is None:
             return steps * self.gradient_accumulation
         return min(self._loader_length, steps * self.gradient_accumulation)
-
-    def _train_sampler_call(self, method: str, *arguments: Any) -> None:
-        sampler = getattr(self._train_loader, "sampler", None)
-        if hasattr(sampler, method):
-            getattr(sampler, method)(*arguments)
-        elif method == "fast_forward" and arguments[0]:
-            raise ValueError(
-                f"resuming mid-epoch needs the train loader's sampler to support fast_forward(n), and "
-                f"{type(sampler).__name__} does not; build it with the sampler(dataset) callable handed to "
-                "get_train_dataloader"
-            )
 
     def _prepare_callbacks(self) -> None:
         """Hand each callback the trainer; look hooks up afresh (callbacks may have changed)."""
@@ -650,8 +653,12 @@ class Trainer:
         so every rank waits for the save and every rank raises if it failed.
         Returns where the checkpoint went, or None when it was not due.
         """
-        trainer_state = self.get_state()  # collective under DDP: every rank builds it
         step = self.global_steps_finished
+        position = self._loader_position
+        if self.progress.batches_finished_in_epoch and position is not None and not position.resumable_mid_epoch:
+            position.skip_save(step)  # a checkpoint no later run could resume
+            return None
+        trainer_state = self.get_state()  # collective under DDP: every rank builds it
         checkpoint = Checkpoint(
             module_state=self.module.get_state(),
             trainer_state=trainer_state,
@@ -713,6 +720,7 @@ class Trainer:
             "rng": capture_rng_state(),
             **self.losses.state_dict(),
             "logged_values": self._metrics.state_dict(),
+            "loader": None if self._loader_position is None else self._loader_position.state_dict(),
         }
         return {
             **self.progress.state_dict(self.backend.world_size, self.train_step_batch_size),
@@ -738,6 +746,7 @@ class Trainer:
         mine = ranks[self.backend.rank % len(ranks)]
         self.losses.load_state_dict(mine)
         self._metrics.load_state_dict(mine["logged_values"], self.device)
+        self._loader_position.load_state_dict(mine.get("loader"))
         self._pending_rng.set(mine["rng"])  # restored around the train loader's iterator (see _start_epoch)
         self.should_stop = bool(state["should_stop"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):

@@ -74,6 +74,8 @@ class UnusedParameterToy(IndexedToy):
 class _Stream(IterableDataset):
     """An iterable without a length that yields a different number of samples per rank."""
 
+    shards_itself = True  # each rank builds its own stream: the trainer must not split it again
+
     def __init__(self, dataset, count):
         self.dataset, self.count = dataset, count
 

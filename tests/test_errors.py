@@ -124,8 +124,8 @@ def test_mid_epoch_resume_needs_the_framework_sampler(tmp_path):
             setattr(values.checkpointer_args, name, value)
         return values
 
-    Trainer(OwnSampler(), args(save_every_n_steps=3)).train()  # ends mid-epoch (8 steps per epoch)
-    resumed = Trainer(OwnSampler(), args(resume="auto"))
+    Trainer(ToyModule(), args(save_every_n_steps=3)).train()  # the framework's sampler: saved mid-epoch (8 steps per epoch)
+    resumed = Trainer(OwnSampler(), args(resume="auto"))  # the same checkpoint, read by a loader that cannot skip
     resumed.args.max_steps = 6
     with pytest.raises(ValueError, match=r"needs the train loader's sampler to support fast_forward\(n\), and RandomSampler does not"):
         resumed.train()

@@ -19,3 +19,14 @@ def test_digits_example_default_config_reaches_95_percent(tmp_path, capsys):
     assert (tmp_path / "metrics.csv").exists() and (tmp_path / "config.yaml").exists()
     # digits.yaml: 10 epochs of 23 steps, a checkpoint every 5 epochs, keep the last 2.
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint-000000115.pt", "checkpoint-000000230.pt"]
+
+
+def test_digits_example_stopped_before_any_validation_still_reports_accuracy(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        run = runpy.run_path(os.path.join(ROOT, "examples", "run.py"))
+        accuracy = run["main"](["--trainer.output_dir", str(tmp_path), "--trainer.disable_tqdm", "true", "--trainer.max_steps", "3"])
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    assert 0.0 <= accuracy <= 1.0
+    assert f"final val_accuracy={accuracy:.4f}" in capsys.readouterr().out

@@ -44,7 +44,7 @@ def test_collector_keeps_values_on_their_device_and_never_reads_them_back():
         collector.log("peak", torch.ones((), device="meta"), reduce="max")
     step, epoch = collector.pop_step(), collector.pop_epoch()
     assert list(step) == ["acc"] and list(epoch) == ["acc_epoch", "peak", "seen"]
-    assert all(value.device.type == "meta" and value.shape == () for value, _ in [*step.values(), *epoch.values()])
+    assert all(value.device.type == "meta" and value.shape == () for value, *_ in [*step.values(), *epoch.values()])
     assert collector.pop_step() == {} and collector.pop_epoch() == {}
 
 
@@ -55,7 +55,7 @@ def test_collector_reduces_over_the_epoch_and_keeps_the_latest_step_value():
         collector.log("sum", value, reduce="sum")
         collector.log("max", torch.tensor([value, 0.0]), reduce="max")  # per-sample values: max first
         collector.log("min", torch.tensor(value), reduce="min")
-    as_floats = lambda collected: {name: float(value) for name, (value, _) in collected.items()}  # noqa: E731
+    as_floats = lambda collected: {name: float(value) for name, (value, *_) in collected.items()}  # noqa: E731
     assert as_floats(collector.pop_step()) == {"mean": 2.0}
     assert as_floats(collector.pop_epoch()) == pytest.approx({"max": 4.0, "mean_epoch": 7.0 / 3, "min": 1.0, "sum": 7.0})
 
@@ -84,8 +84,9 @@ def test_reduce_metrics_uses_one_collective_per_reduction_kind():
         return tensor * 2
 
     collected = {"a": (torch.tensor(1.0), "mean"), "b": (torch.tensor(2.0), "sum"), "c": (torch.tensor(3.0), "mean")}
-    assert reduce_metrics(collected, fake_all_reduce) == {"a": 2.0, "b": 4.0, "c": 6.0}
-    assert sorted(calls) == [("mean", (2,)), ("sum", (1,))]
+    # A mean travels as (value x weight, weight) summed over ranks: its ratio is unchanged here.
+    assert reduce_metrics(collected, fake_all_reduce) == {"a": 1.0, "b": 4.0, "c": 3.0}
+    assert sorted(calls) == [("sum", (1,)), ("sum", (2, 2))]
 
 
 # -- self.log inside a run ----------------------------------------------------------------

@@ -3,13 +3,14 @@
 Example:
     >>> from backends import build_backend, available_backends
     >>> available_backends()[:4]
-    ['ddp', 'ddp-amp', 'sp', 'sp-amp']
+    ['ddp', 'ddp-amp', 'fsdp', 'fsdp-amp']
     >>> build_backend("sp")
     TrainerBackend(strategy=SingleProcess, precision=FullPrecision)
 """
 
 from backends.base import TrainerBackend
 from backends.batch import map_tensors, move_to_device
+from backends.fsdp import FSDP
 from backends.precision import FullPrecision, MixedPrecision, Precision
 from backends.registry import available_backends, build_backend, register_backend
 from backends.samplers import ResumableSampler
@@ -20,6 +21,7 @@ __all__ = [
     "Strategy",
     "SingleProcess",
     "DDP",
+    "FSDP",
     "Precision",
     "FullPrecision",
     "MixedPrecision",

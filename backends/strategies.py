@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from backends.batch import map_tensors
 from backends.samplers import ResumableSampler, interleave_ranks
+from backends.units import compile_units, module_units
 
 logger = logging.getLogger(__name__)
 
@@ -54,21 +55,29 @@ class Strategy:
     """
 
     name = "single-process"
+    saves_sharded = False
+    """True when every rank holds only a shard of the state: checkpoints are then written by every
+    rank (:class:`framework.checkpoint.sharded.ShardedCheckpointer`), not by rank zero alone."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
         self.rank = 0
         self.local_rank = 0
         self.world_size = 1
+        self.compile = False
 
     @property
     def is_main_process(self) -> bool:
         """True on the rank that prints, logs and writes files."""
         return self.rank == 0
 
-    def setup(self, use_gpu: Optional[bool] = None, **options: Any) -> None:
-        """Pick the device (and, in subclasses, join the process group)."""
+    def setup(self, use_gpu: Optional[bool] = None, compile: bool = False, **options: Any) -> None:
+        """Pick the device (and, in subclasses, join the process group).
+
+        ``compile``: :meth:`wrap_module` compiles the module's units with ``torch.compile``.
+        """
         self.device = select_device(use_gpu, self.local_rank)
+        self.compile = bool(compile)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
@@ -80,8 +89,23 @@ class Strategy:
         return ResumableSampler(dataset, shuffle=shuffle, seed=seed, rank=self.rank, world_size=self.world_size, pad=shuffle)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The module that training forwards go through."""
+        """The module that training forwards go through (``module``: the step runner)."""
+        target = getattr(module, "module", module)
+        self.compile_units(target, module_units(target))
         return module
+
+    def compile_units(self, module: torch.nn.Module, units: List[torch.nn.Module]) -> None:
+        """With ``compile`` on, ``torch.compile`` each unit in place (see :func:`backends.units.compile_units`)."""
+        if self.compile:
+            compiled = compile_units(module, units)
+            logger.info("torch.compile: compiling %d unit(s) of %s on first use", len(compiled), type(module).__name__)
+
+    def configure_precision(self, compute_dtype: Optional[torch.dtype], uses_grad_scaler: bool) -> None:
+        """Told once what the precision computes in (None: fp32) and whether it scales losses."""
+
+    def unsharded(self, state: Any) -> Any:
+        """``state`` with sharded tensors gathered into full ones (collective where sharded; call on every rank)."""
+        return state
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """Context for one micro-batch: inside it, gradients accumulate without communication."""
@@ -210,7 +234,7 @@ class DDP(Strategy):
         if dist.is_initialized():
             # A process group made by the caller: use its ranks, leave destroying it to the caller.
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        super().setup(use_gpu)
+        super().setup(use_gpu, **options)
         if self.find_unused_parameters is None:
             self.find_unused_parameters = find_unused_parameters
         if self.timeout_seconds is None:
@@ -275,6 +299,7 @@ class DDP(Strategy):
             time.sleep(0.1)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        module = super().wrap_module(module)  # compiles the units when asked
         if not self.distributed:
             return module
         device_ids = [self.device.index] if self.device.type == "cuda" else None

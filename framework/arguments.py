@@ -73,6 +73,8 @@ class TrainerArguments:
     """Passed to DistributedDataParallel."""
     ddp_timeout: float = 600.0
     """Seconds a collective waits for a missing rank before the job fails."""
+    compile: bool = False
+    """Compile the model for training with ``torch.compile`` (each sharding unit, or each child module)."""
     use_gpu: Optional[bool] = None
     """None: a GPU when present; True: require one; False: CPU."""
     seed: int = 42

@@ -106,6 +106,8 @@ class MetricCollector:
             raise ValueError(f"log({name!r}, reduce={reduce!r}): this metric was logged with reduce={previous!r}")
         if isinstance(value, torch.Tensor):
             value = value.detach().float()
+            if hasattr(value, "full_tensor"):  # a DTensor (a sharded model's norm): its value on every rank
+                value = value.full_tensor()
         elif isinstance(value, (int, float)):
             value = torch.tensor(float(value))
         else:

@@ -86,6 +86,7 @@ class Trainer:
             amp_dtype=args.amp_dtype,
             find_unused_parameters=args.find_unused_parameters,
             ddp_timeout=args.ddp_timeout,
+            compile=args.compile,
         )
         try:
             configure_logging(args.log_level, self.backend.is_main_process)

@@ -13,7 +13,7 @@ class Block(torch.nn.Module):
     def __init__(self, width: int, heads: int = 2) -> None:
         super().__init__()
         self.norm1 = torch.nn.LayerNorm(width)
-        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)  # a key bias gets only rounding-noise gradients (softmax ignores it), which Adam would amplify
         self.proj = torch.nn.Linear(width, width)
         self.norm2 = torch.nn.LayerNorm(width)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width))

@@ -136,3 +136,40 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(runs):
     assert rank0["grown_step"] == EPOCHS * STEPS_PER_EPOCH
     assert max_difference(rank0["grown"], rank0["fsdp"]) <= 1e-5
     assert max_difference(rank0["grown"], rank1["grown"]) == 0
+
+
+def test_incomplete_or_damaged_sharded_checkpoint_falls_back_with_a_warning(tmp_path, capsys):
+    out = str(tmp_path)
+    args = arguments("fsdp", out, max_steps=3, track_grad_norm=False)
+    args.checkpointer_args.save_every_n_steps = 1
+    Trainer(TinyTransformer(), args).train()
+    checkpoints = os.path.join(out, "checkpoints")
+    os.remove(os.path.join(checkpoints, f"checkpoint-{3:09d}", ".complete"))  # killed before the save finished
+    with open(os.path.join(checkpoints, f"checkpoint-{2:09d}", "state.pt"), "r+b") as handle:
+        handle.truncate(100)  # damaged
+    args = arguments("fsdp", out, max_steps=3, track_grad_norm=False)
+    args.checkpointer_args.resume = "auto"
+    trainer = Trainer(TinyTransformer(), args)
+    capsys.readouterr()
+    trainer.train()
+    assert trainer.checkpointer.loaded_from.endswith(f"checkpoint-{1:09d}")
+    skipped = [line for line in capsys.readouterr().err.splitlines() if "was skipped" in line]
+    assert len(skipped) == 2 and "no .complete marker" in skipped[0] and "truncated" in skipped[1]
+
+
+def test_a_rank_zero_checkpointer_is_refused_under_fsdp(tmp_path):
+    with pytest.raises(ValueError, match="ShardedCheckpointer"):
+        Trainer(TinyTransformer(), arguments("fsdp", str(tmp_path)), checkpointer=DefaultCheckpointer())
+
+
+def test_compile_matches_eager(tmp_path, capsys):
+    """One rank, one block, two steps: compile is slow on CPU (the 2-rank fsdp compile is in benchmarks/fsdp.py)."""
+    backend, weights = "fsdp", {}
+    for compile in (False, True):
+        args = arguments(backend, str(tmp_path / f"{compile}"), max_steps=2, epochs=1, compile=compile, track_grad_norm=False)
+        trainer = Trainer(TinyTransformer(depth=1), args)
+        capsys.readouterr()
+        trainer.train()
+        weights[compile] = full_weights(trainer)
+    assert max_difference(weights[False], weights[True]) <= 1e-4  # inductor's fused kernels round differently
+    assert capsys.readouterr().err.count("torch.compile: first training step") == 1

@@ -66,7 +66,7 @@ class TrainerArguments:
     collect_train_outputs: bool = False
     """Keep every train step's outputs for ``on_end_train_epoch`` (off: nothing is kept)."""
     backend: str = "sp"
-    """Backend name: sp, sp-amp, ddp, ddp-amp, or a registered plugin."""
+    """Backend name: sp, sp-amp, ddp, ddp-amp, fsdp, fsdp-amp, or a registered plugin."""
     amp_dtype: Optional[str] = None
     """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU."""
     find_unused_parameters: bool = False

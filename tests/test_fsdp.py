@@ -5,6 +5,7 @@ One 2-rank run (``two_rank_scenarios``) trains every 2-rank scenario in the same
 group; single-rank runs happen in the test process.
 """
 
+import logging
 import os
 
 import pytest
@@ -62,8 +63,11 @@ def two_rank_scenarios(rank: int, out: str, one_rank_dir: str) -> dict:
     results["export"] = fsdp.save_model_checkpoint()
     results["checkpointer"] = type(fsdp.checkpointer).__name__
 
-    stopped = Trainer(TinyTransformer(), arguments("fsdp", os.path.join(out, "stopped"), max_steps=STOP_AT))
-    stopped.train()  # the final save: a sharded checkpoint at step 3, written by both ranks
+    stopped_args = arguments("fsdp", os.path.join(out, "stopped"), max_steps=STOP_AT)
+    stopped_args.checkpointer_args.async_save, stopped_args.checkpointer_args.save_every_n_steps = True, 1
+    stopped_args.checkpointer_args.keep_last_n = 2
+    stopped = Trainer(TinyTransformer(), stopped_args)
+    stopped.train()  # background saves at steps 1, 2, 3 (the last one kept twice), written by both ranks
 
     grown = Trainer(TinyTransformer(), arguments("fsdp", one_rank_dir, checkpointer_args=DefaultCheckpointerArguments(
         save_dir=os.path.join(one_rank_dir, "checkpoints"), resume="auto")))
@@ -127,6 +131,9 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     trainer = Trainer(TinyTransformer(), args)
     trainer.train()
     assert trainer.checkpointer.loaded_from.endswith(f"checkpoint-{STOP_AT:09d}")
+    assert sorted(name for name in os.listdir(os.path.join(stopped, "checkpoints")) if name.startswith("checkpoint-"))[0] == (
+        f"checkpoint-{STOP_AT - 1:09d}"  # keep_last_n=2 removed step 1's directory
+    )
     assert trainer.global_steps_finished == EPOCHS * STEPS_PER_EPOCH
     assert max_difference(full_weights(trainer), rank0["fsdp"]) <= 1e-5
 
@@ -138,7 +145,18 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(runs):
     assert max_difference(rank0["grown"], rank1["grown"]) == 0
 
 
-def test_incomplete_or_damaged_sharded_checkpoint_falls_back_with_a_warning(tmp_path, capsys):
+class Collect(logging.Handler):
+    """The framework's log handler writes to the stderr of the first test that configured it: collect here."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_incomplete_or_damaged_sharded_checkpoint_falls_back_with_a_warning(tmp_path):
     out = str(tmp_path)
     args = arguments("fsdp", out, max_steps=3, track_grad_norm=False)
     args.checkpointer_args.save_every_n_steps = 1
@@ -149,11 +167,14 @@ def test_incomplete_or_damaged_sharded_checkpoint_falls_back_with_a_warning(tmp_
         handle.truncate(100)  # damaged
     args = arguments("fsdp", out, max_steps=3, track_grad_norm=False)
     args.checkpointer_args.resume = "auto"
-    trainer = Trainer(TinyTransformer(), args)
-    capsys.readouterr()
-    trainer.train()
+    trainer, collect = Trainer(TinyTransformer(), args), Collect()
+    logging.getLogger("framework").addHandler(collect)
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("framework").removeHandler(collect)
     assert trainer.checkpointer.loaded_from.endswith(f"checkpoint-{1:09d}")
-    skipped = [line for line in capsys.readouterr().err.splitlines() if "was skipped" in line]
+    skipped = [message for message in collect.messages if "was skipped" in message]
     assert len(skipped) == 2 and "no .complete marker" in skipped[0] and "truncated" in skipped[1]
 
 
@@ -162,14 +183,18 @@ def test_a_rank_zero_checkpointer_is_refused_under_fsdp(tmp_path):
         Trainer(TinyTransformer(), arguments("fsdp", str(tmp_path)), checkpointer=DefaultCheckpointer())
 
 
-def test_compile_matches_eager(tmp_path, capsys):
+def test_compile_matches_eager(tmp_path):
     """One rank, one block, two steps: compile is slow on CPU (the 2-rank fsdp compile is in benchmarks/fsdp.py)."""
-    backend, weights = "fsdp", {}
+    backend, weights, messages = "fsdp", {}, []
     for compile in (False, True):
         args = arguments(backend, str(tmp_path / f"{compile}"), max_steps=2, epochs=1, compile=compile, track_grad_norm=False)
-        trainer = Trainer(TinyTransformer(depth=1), args)
-        capsys.readouterr()
-        trainer.train()
+        trainer, collect = Trainer(TinyTransformer(depth=1), args), Collect()
+        logging.getLogger("backends").addHandler(collect)
+        try:
+            trainer.train()
+        finally:
+            logging.getLogger("backends").removeHandler(collect)
         weights[compile] = full_weights(trainer)
+        messages.extend(collect.messages)
     assert max_difference(weights[False], weights[True]) <= 1e-4  # inductor's fused kernels round differently
-    assert capsys.readouterr().err.count("torch.compile: first training step") == 1
+    assert sum("torch.compile: first training step" in message for message in messages) == 1

@@ -3,7 +3,7 @@
 Example:
     >>> from backends import build_backend, available_backends
     >>> available_backends()[:4]
-    ['ddp', 'ddp-amp', 'sp', 'sp-amp']
+    ['ddp', 'ddp-amp', 'fsdp', 'fsdp-amp']
     >>> build_backend("sp")
     TrainerBackend(strategy=SingleProcess, precision=FullPrecision)
 """
@@ -16,6 +16,7 @@ from backends.environments import (
     detect_cluster_environment,
     register_cluster_environment,
 )
+from backends.fsdp import FSDP
 from backends.precision import FullPrecision, MixedPrecision, Precision
 from backends.registry import available_backends, build_backend, register_backend
 from backends.samplers import ResumableSampler
@@ -30,6 +31,7 @@ __all__ = [
     "available_cluster_environments",
     "detect_cluster_environment",
     "register_cluster_environment",
+    "FSDP",
     "Precision",
     "FullPrecision",
     "MixedPrecision",

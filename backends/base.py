@@ -9,6 +9,7 @@ from backends.batch import move_to_device
 from backends.environments import ClusterEnvironment, select_cluster_environment
 from backends.precision import FullPrecision, Precision
 from backends.strategies import SingleProcess, Strategy
+from backends.units import CompileTimer
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class TrainerBackend:
             )
         self.strategy = strategy if strategy is not None else SingleProcess()
         self.precision = precision if precision is not None else FullPrecision()
+        self.compile_timer = CompileTimer(enabled=False)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={type(self.strategy).__name__}, precision={type(self.precision).__name__})"
@@ -81,22 +83,28 @@ class TrainerBackend:
         find_unused_parameters: bool = False,
         ddp_timeout: float = 600.0,
         cluster: Union[None, str, ClusterEnvironment] = None,
+        compile: bool = False,
     ) -> None:
         """Find the cluster environment, pick the device, join the process group (DDP) and
         prepare the precision.
 
         ``cluster`` names a registered cluster environment (``"slurm"``), or is one, or is
-        None to detect it. If the precision refuses the device (fp16 on CPU), the process
-        group is left again before the error propagates.
+        None to detect it. ``compile``: the strategy compiles the module's units with
+        ``torch.compile`` when it wraps the module; the first training step's time
+        (compilation included) is logged once. If the precision refuses the device (fp16 on
+        CPU), the process group is left again before the error propagates.
         """
         self.strategy.setup(
             use_gpu=use_gpu,
             find_unused_parameters=find_unused_parameters,
             ddp_timeout=ddp_timeout,
             cluster_environment=select_cluster_environment(cluster),
+            compile=compile,
         )
+        self.compile_timer = CompileTimer(enabled=compile)
         try:
             self.precision.setup(self.device, amp_dtype)
+            self.strategy.configure_precision(self.precision.compute_dtype, self.precision.skips_nonfinite_steps)
         except BaseException:
             self.strategy.teardown()
             raise
@@ -147,6 +155,8 @@ class TrainerBackend:
 
     def forward(self, runner: torch.nn.Module, *args: Any) -> Any:
         """Call ``runner(*args)`` inside the precision's autocast."""
+        if runner.training:
+            self.compile_timer.start()
         with self.precision.forward_context():
             return runner(*args)
 
@@ -157,6 +167,7 @@ class TrainerBackend:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled, under fp16)."""
         self.precision.backward(loss)
+        self.compile_timer.stop()
 
     def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make gradients true-sized before clipping."""

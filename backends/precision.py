@@ -51,6 +51,11 @@ class Precision:
         """True when a step whose gradients are not finite is skipped (a GradScaler's job)."""
         return False
 
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype forwards compute in when it is not fp32 (a sharded strategy gathers parameters in it)."""
+        return None
+
     def get_state(self) -> Dict[str, Any]:
         """Precision state that belongs in a checkpoint."""
         return {}
@@ -81,6 +86,8 @@ class MixedPrecision(Precision):
             when that is None too: fp16 on CUDA, bf16 on CPU).
         use_grad_scaler: None: a ``GradScaler`` exactly when the dtype is fp16; True/False
             force it on or off (e.g. dynamic loss scaling for bf16 on CPU).
+        default_dtype: used when neither ``dtype`` nor ``amp_dtype`` is set (``fsdp-amp``:
+            ``"bfloat16"``, also on CUDA); None: fp16 on CUDA, bf16 on CPU.
 
     Example:
         >>> precision = MixedPrecision("bfloat16")
@@ -93,10 +100,12 @@ class MixedPrecision(Precision):
 
     name = "amp"
 
-    def __init__(self, dtype: Optional[str] = None, use_grad_scaler: Optional[bool] = None) -> None:
-        if dtype is not None and dtype not in _AMP_DTYPES:
-            raise ValueError(f"MixedPrecision dtype={dtype!r} is not supported; allowed: None, {sorted(_AMP_DTYPES)}")
+    def __init__(self, dtype: Optional[str] = None, use_grad_scaler: Optional[bool] = None, default_dtype: Optional[str] = None) -> None:
+        for name, value in (("dtype", dtype), ("default_dtype", default_dtype)):
+            if value is not None and value not in _AMP_DTYPES:
+                raise ValueError(f"MixedPrecision {name}={value!r} is not supported; allowed: None, {sorted(_AMP_DTYPES)}")
         self.requested_dtype = dtype
+        self.default_dtype = default_dtype
         self.use_grad_scaler = use_grad_scaler
         self.device_type = "cpu"
         self.dtype = torch.bfloat16
@@ -104,7 +113,7 @@ class MixedPrecision(Precision):
         self._pending_scaler_state: Optional[Dict[str, Any]] = None
 
     def setup(self, device: torch.device, amp_dtype: Optional[str]) -> None:
-        name = self.requested_dtype or amp_dtype or ("float16" if device.type == "cuda" else "bfloat16")
+        name = self.requested_dtype or amp_dtype or self.default_dtype or ("float16" if device.type == "cuda" else "bfloat16")
         if name not in _AMP_DTYPES:
             raise ValueError(f"amp_dtype={name!r} is not supported; allowed: {sorted(_AMP_DTYPES)}")
         if device.type not in ("cuda", "cpu"):
@@ -159,6 +168,10 @@ class MixedPrecision(Precision):
     @property
     def skips_nonfinite_steps(self) -> bool:
         return self.scaler is not None
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return self.dtype
 
     def get_state(self) -> Dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

@@ -6,6 +6,7 @@ from importlib import metadata
 from typing import Callable, Dict, List, Optional, TypeVar, Union
 
 from backends.base import TrainerBackend
+from backends.fsdp import FSDP
 from backends.precision import FullPrecision, MixedPrecision
 from backends.strategies import DDP, SingleProcess
 
@@ -145,3 +146,5 @@ register_backend("sp", lambda: TrainerBackend(SingleProcess(), FullPrecision()))
 register_backend("sp-amp", lambda: TrainerBackend(SingleProcess(), MixedPrecision()))
 register_backend("ddp", lambda: TrainerBackend(DDP(), FullPrecision()))
 register_backend("ddp-amp", lambda: TrainerBackend(DDP(), MixedPrecision()))
+register_backend("fsdp", lambda: TrainerBackend(FSDP(), FullPrecision()))
+register_backend("fsdp-amp", lambda: TrainerBackend(FSDP(), MixedPrecision(default_dtype="bfloat16")))

@@ -20,6 +20,7 @@ from backends.batch import map_tensors
 from backends.environments import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
 from backends.samplers import ResumableSampler, interleave_ranks
 from backends.streams import shard_stream
+from backends.units import compile_units, module_units
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,9 @@ class Strategy:
     name = "single-process"
     multi_process = False
     """True for strategies that run one process per device (DDP); False refuses multi-process launches."""
+    saves_sharded = False
+    """True when every rank holds only a shard of the state: checkpoints are then written by every
+    rank (:class:`framework.checkpoint.sharded.ShardedCheckpointer`), not by rank zero alone."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -64,6 +68,7 @@ class Strategy:
         self.local_rank = 0
         self.world_size = 1
         self.cluster_environment: ClusterEnvironment = LocalEnvironment({})
+        self.compile = False
 
     @property
     def is_main_process(self) -> bool:
@@ -71,10 +76,15 @@ class Strategy:
         return self.rank == 0
 
     def setup(
-        self, use_gpu: Optional[bool] = None, cluster_environment: Optional[ClusterEnvironment] = None, **options: Any
+        self,
+        use_gpu: Optional[bool] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        compile: bool = False,
+        **options: Any,
     ) -> None:
         """Take ranks from the cluster environment (detected when None), check that the launch
         fits the strategy, and pick the device (subclasses then join the process group).
+        ``compile``: :meth:`wrap_module` compiles the module's units with ``torch.compile``.
 
         Raises:
             ValueError: several processes were launched for a single-process strategy
@@ -84,6 +94,7 @@ class Strategy:
         check_launch(environment, self.multi_process)
         self.cluster_environment = environment
         self.rank, self.local_rank, self.world_size = environment.global_rank, environment.local_rank, environment.world_size
+        self.compile = bool(compile)
         self.device = select_device(use_gpu, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -106,8 +117,23 @@ class Strategy:
         return shard_stream(loader, self.rank, self.world_size)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The module that training forwards go through."""
+        """The module that training forwards go through (``module``: the step runner)."""
+        target = getattr(module, "module", module)
+        self.compile_units(target, module_units(target))
         return module
+
+    def compile_units(self, module: torch.nn.Module, units: List[torch.nn.Module]) -> None:
+        """With ``compile`` on, ``torch.compile`` each unit in place (see :func:`backends.units.compile_units`)."""
+        if self.compile:
+            compiled = compile_units(module, units)
+            logger.info("torch.compile: compiling %d unit(s) of %s on first use", len(compiled), type(module).__name__)
+
+    def configure_precision(self, compute_dtype: Optional[torch.dtype], uses_grad_scaler: bool) -> None:
+        """Told once what the precision computes in (None: fp32) and whether it scales losses."""
+
+    def unsharded(self, state: Any) -> Any:
+        """``state`` with sharded tensors gathered into full ones (collective where sharded; call on every rank)."""
+        return state
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """Context for one micro-batch: inside it, gradients accumulate without communication."""
@@ -226,7 +252,7 @@ class DDP(Strategy):
         """
         if ddp_timeout is not None and not ddp_timeout > 0:
             raise ValueError(f"ddp_timeout={ddp_timeout!r} is invalid; allowed: seconds > 0")
-        super().setup(use_gpu, cluster_environment=cluster_environment)
+        super().setup(use_gpu, cluster_environment=cluster_environment, **options)
         if dist.is_initialized():
             # A process group made by the caller: use its ranks, leave destroying it to the caller.
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -287,6 +313,7 @@ class DDP(Strategy):
             time.sleep(0.1)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        module = super().wrap_module(module)  # compiles the units when asked
         if not self.distributed:
             return module
         device_ids = [self.device.index] if self.device.type == "cuda" else None

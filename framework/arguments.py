@@ -67,7 +67,7 @@ class TrainerArguments:
     collect_train_outputs: bool = False
     """Keep every train step's outputs for ``on_end_train_epoch`` (off: nothing is kept)."""
     backend: str = "sp"
-    """Backend name: sp, sp-amp, ddp, ddp-amp, or a registered plugin."""
+    """Backend name: sp, sp-amp, ddp, ddp-amp, fsdp, fsdp-amp, or a registered plugin."""
     amp_dtype: Optional[str] = None
     """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU."""
     find_unused_parameters: bool = False
@@ -76,6 +76,8 @@ class TrainerArguments:
     """Seconds a collective waits for a missing rank before the job fails."""
     cluster: Optional[str] = None
     """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
+    compile: bool = False
+    """Compile the model for training with ``torch.compile`` (each sharding unit, or each child module)."""
     use_gpu: Optional[bool] = None
     """None: a GPU when present; True: require one; False: CPU."""
     seed: int = 42

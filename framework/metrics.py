@@ -172,6 +172,8 @@ class MetricCollector:
             raise ValueError(f"log({name!r}, reduce={reduce!r}): this metric was logged with reduce={previous!r}")
         if isinstance(value, torch.Tensor):
             value = value.detach()
+            if hasattr(value, "full_tensor"):  # a DTensor (a sharded model's norm): its value on every rank
+                value = value.full_tensor()
             if not value.is_floating_point():
                 value = value.to(torch.get_default_dtype())
         elif isinstance(value, (int, float)):

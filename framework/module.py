@@ -1,7 +1,7 @@
 """ModuleInterface: what a user implements, and the dispatcher that DDP wraps."""
 
 import abc
-from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader
@@ -80,6 +80,15 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     def test_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
         """Defaults to :meth:`val_step`."""
         return self.val_step(global_step, batch, device)
+
+    def sharding_units(self) -> Optional[List[torch.nn.Module]]:
+        """The submodules that are sharded (``fsdp``) and compiled (``compile=True``) as one unit each.
+
+        None (the default): every block of every ``nn.ModuleList`` in the module (a
+        transformer's layers). Return a list of submodules to choose others; what no unit
+        holds belongs to the root unit. See ``docs/distributed.md``.
+        """
+        return None
 
     def get_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the module: by default its ``state_dict``."""

@@ -15,7 +15,8 @@ from framework import checks
 from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.progress import ProgressBar
-from framework.checkpoint import AbstractCheckpointer, Checkpoint, DefaultCheckpointer
+from framework.checkpoint import AbstractCheckpointer, Checkpoint
+from framework.checkpoint.sharded import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.hooks import HookDispatcher
@@ -91,6 +92,7 @@ class Trainer:
             find_unused_parameters=args.find_unused_parameters,
             ddp_timeout=args.ddp_timeout,
             cluster=args.cluster,
+            compile=args.compile,
         )
         try:
             configure_logging(args.log_level, self.backend.is_main_process)
@@ -101,8 +103,8 @@ class Trainer:
         except Exception:
             self.backend.teardown()
             raise
-        self.checkpointer = checkpointer if checkpointer is not None else DefaultCheckpointer(
-            args.checkpointer_args, default_dir=os.path.join(args.output_dir, "checkpoints")
+        self.checkpointer = default_checkpointer(  # a ShardedCheckpointer under fsdp
+            self.backend.strategy, checkpointer, args.checkpointer_args, default_dir=os.path.join(args.output_dir, "checkpoints")
         )
         self.callbacks: List[Callback] = list(callbacks)
         if not args.disable_tqdm and not any(isinstance(c, ProgressBar) for c in self.callbacks):
@@ -658,16 +660,9 @@ class Trainer:
         if self.progress.batches_finished_in_epoch and position is not None and not position.resumable_mid_epoch:
             position.skip_save(step)  # a checkpoint no later run could resume
             return None
-        trainer_state = self.get_state()  # collective under DDP: every rank builds it
-        checkpoint = Checkpoint(
-            module_state=self.module.get_state(),
-            trainer_state=trainer_state,
-            backend_state=self.backend.get_state(),
-            global_step=step,
-            epoch=self.epochs_finished,
-            # Only values measured on these weights rank the checkpoint (best-k retention).
-            metrics={record["name"]: record["value"] for record in self.history.records if record["step"] == step},
-        )
+        checkpoint = self._current_checkpoint()
+        if self.checkpointer.saves_on_every_rank:  # sharded: every rank writes its shards (errors are agreed)
+            return self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
         self.backend.barrier()
         location, error = None, None
         if self.is_main_process:
@@ -684,16 +679,31 @@ class Trainer:
             raise error
         return location
 
+    def _current_checkpoint(self) -> Checkpoint:
+        """The run's state now (collective under DDP: call on every rank)."""
+        trainer_state = self.get_state()  # collective under DDP: every rank builds it
+        step = self.global_steps_finished
+        return Checkpoint(
+            module_state=self.module.get_state(),
+            trainer_state=trainer_state,
+            backend_state=self.backend.get_state(),
+            global_step=step,
+            epoch=self.epochs_finished,
+            # Only values measured on these weights rank the checkpoint (best-k retention).
+            metrics={record["name"]: record["value"] for record in self.history.records if record["step"] == step},
+        )
+
     def save_model_checkpoint(self) -> Optional[str]:
-        """Write the module's weights alone (for inference), on rank zero."""
+        """Write the module's full weights alone (for inference), on rank zero (call on every rank)."""
         location = None
+        state = self.backend.strategy.unsharded(self.module.get_state())  # fsdp: gathered from the shards
         if self.is_main_process:
-            location = self.checkpointer.save_model(self.module.get_state(), self.global_steps_finished)
+            location = self.checkpointer.save_model(state, self.global_steps_finished)
         self.backend.barrier()
         return location
 
     def _restore_checkpoint(self) -> None:
-        checkpoint = self.checkpointer.load()
+        checkpoint = self.checkpointer.load_into(self._current_checkpoint, self.optimizers)  # sharded: in place
         steps = self.backend.all_gather_object(None if checkpoint is None else checkpoint.global_step)
         if len(set(steps)) > 1:
             raise RuntimeError(

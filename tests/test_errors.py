@@ -21,7 +21,7 @@ def test_wrong_train_step_return_type(tmp_path):
 
 
 def test_unknown_backend_lists_known_names():
-    with pytest.raises(ValueError, match=r"unknown backend 'tpu'.*ddp, ddp-amp, sp, sp-amp"):
+    with pytest.raises(ValueError, match=r"unknown backend 'tpu'.*ddp, ddp-amp, fsdp, fsdp-amp, sp, sp-amp"):
         Trainer(ToyModule(), TrainerArguments(backend="tpu"))
 
 

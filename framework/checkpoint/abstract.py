@@ -1,7 +1,9 @@
 """AbstractCheckpointer: the interface the trainer saves and loads through."""
 
 import abc
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
 
 from framework.checkpoint.checkpoint import Checkpoint
 
@@ -27,6 +29,10 @@ class AbstractCheckpointer(abc.ABC):
         ...         return self.saved[max(self.saved)] if self.saved else None
     """
 
+    saves_on_every_rank = False
+    """False: the trainer calls :meth:`save` on rank zero only. True: on every rank (sharded
+    checkpoints, where each rank writes its own shards); the checkpointer then agrees on errors."""
+
     @abc.abstractmethod
     def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
         """Save ``checkpoint`` if ``index`` is due (or ``force``); return where it went, or None."""
@@ -38,6 +44,14 @@ class AbstractCheckpointer(abc.ABC):
     @abc.abstractmethod
     def load(self) -> Optional[Checkpoint]:
         """The checkpoint to resume from, or None to start fresh."""
+
+    def load_into(self, current: Callable[[], Checkpoint], optimizers: Sequence[torch.optim.Optimizer]) -> Optional[Checkpoint]:
+        """What the trainer calls to resume (on every rank): by default :meth:`load`.
+
+        A sharded checkpointer reads each rank's shards into the tensors of ``current()`` (this
+        run's state in its own sharding) instead, creating ``optimizers``' state first.
+        """
+        return self.load()
 
     def is_epoch_save_due(self, epochs_finished: int) -> bool:
         """True when :meth:`save` would keep the epoch-end checkpoint ``epochs_finished`` (the

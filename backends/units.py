@@ -1,0 +1,83 @@
+"""Which submodules are sharded (FSDP) and compiled (``torch.compile``) as one unit each."""
+
+import logging
+import time
+from typing import List
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def default_units(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """Every block of every ``nn.ModuleList`` inside ``module``, outermost first.
+
+    Example:
+        >>> net = torch.nn.Module()
+        >>> net.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        >>> net.head = torch.nn.Linear(2, 1)
+        >>> len(default_units(net))
+        2
+    """
+    units: List[torch.nn.Module] = []
+    for submodule in module.modules():
+        if isinstance(submodule, torch.nn.ModuleList):
+            units.extend(block for block in submodule if block not in units)
+    return units
+
+
+def module_units(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The module's own choice (``sharding_units()``, see ``ModuleInterface``) or :func:`default_units`.
+
+    Raises:
+        TypeError: ``sharding_units()`` returned something else than a list of submodules of ``module``.
+    """
+    chooser = getattr(module, "sharding_units", None)
+    units = chooser() if callable(chooser) else None
+    if units is None:
+        return default_units(module)
+    owned = {id(submodule) for submodule in module.modules() if submodule is not module}
+    units = list(units)
+    for unit in units:
+        if not isinstance(unit, torch.nn.Module) or id(unit) not in owned:
+            raise TypeError(
+                f"{type(module).__name__}.sharding_units() must return submodules of the module (not the module "
+                f"itself); got {type(unit).__name__}"
+            )
+    return units
+
+
+def compile_units(module: torch.nn.Module, units: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    """``torch.compile`` each unit in place (``nn.Module.compile``: parameter names and state
+    dict keys stay the same). Without units, each direct child of ``module`` that holds
+    parameters is compiled instead. Returns what was compiled."""
+    targets = units or [child for child in module.children() if any(True for _ in child.parameters())]
+    for target in targets:
+        target.compile()
+    return targets
+
+
+class CompileTimer:
+    """Measures the first training forward and backward once (where ``torch.compile`` compiles)
+    and logs it once.
+
+    Example:
+        >>> timer = CompileTimer(enabled=True)
+        >>> timer.start(); timer.stop()
+        >>> timer.seconds is not None
+        True
+    """
+
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self.seconds = None
+        self._started = None
+
+    def start(self) -> None:
+        if self.enabled and self._started is None:
+            self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.enabled and self._started is not None and self.seconds is None:
+            self.seconds = time.perf_counter() - self._started
+            logger.info("torch.compile: first training step (forward + backward, compilation included) took %.1f s", self.seconds)

@@ -1,0 +1,200 @@
+"""The ``fsdp`` backend (FSDP2) on 2 real gloo ranks: parity with ``ddp``, sharded state,
+sharded checkpoints that resume on another world size, full-weight exports, and compile.
+
+One 2-rank run (``two_rank_scenarios``) trains every 2-rank scenario in the same process
+group; single-rank runs happen in the test process.
+"""
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_ranks
+from tiny_transformer import TinyTransformer
+from toy import ToyModule, flat_parameters
+
+from framework import Trainer, TrainerArguments
+from framework.checkpoint import DefaultCheckpointer, ShardedCheckpointer
+from framework.checkpoint.arguments import DefaultCheckpointerArguments
+
+EPOCHS, STEPS_PER_EPOCH = 2, 4  # 64 samples / global batch 16
+STOP_AT = 3  # mid-epoch: resume must land inside epoch 1
+
+
+def arguments(backend: str, out: str, **overrides) -> TrainerArguments:
+    """Global batch 16, micro-batch 4: accumulation 2 on 2 ranks (4 on 1); clipping that bites."""
+    values = dict(
+        epochs=EPOCHS, train_batch_size=16, gpu_batch_size_limit=4, backend=backend, clip_grads=True, max_grad_norm=0.2,
+        disable_tqdm=True, output_dir=out, log_every_n_steps=2, sanity_val_steps=0, track_grad_norm=True,
+    )
+    values.update(overrides)
+    args = TrainerArguments(**values)
+    args.checkpointer_args.save_dir = os.path.join(out, "checkpoints")
+    return args
+
+
+def full_weights(trainer: Trainer) -> dict:
+    state = trainer.backend.strategy.unsharded(trainer.module.state_dict())
+    return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+
+def local_numel(tensors) -> int:
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() for t in tensors)
+
+
+def two_rank_scenarios(rank: int, out: str, one_rank_dir: str) -> dict:
+    dist.init_process_group("gloo")
+    results = {}
+    ddp = Trainer(TinyTransformer(), arguments("ddp", os.path.join(out, "ddp")))
+    ddp.train()
+    results["ddp"] = full_weights(ddp)
+    results["ddp_val_loss"] = ddp.history.latest("val_loss")
+
+    fsdp = Trainer(TinyTransformer(), arguments("fsdp", os.path.join(out, "fsdp")))
+    fsdp.train()
+    results["fsdp"] = full_weights(fsdp)
+    results["fsdp_val_loss"] = fsdp.history.latest("val_loss")
+    results["grad_norms"] = (ddp.history.latest("grad_norm"), fsdp.history.latest("grad_norm"))
+    optimizer_state = [value for state in fsdp.optimizers[0].state.values() for value in state.values() if value.dim() > 0]
+    results["parameters"] = (local_numel(fsdp.module.parameters()), sum(p.numel() for p in fsdp.module.parameters()))
+    results["optimizer_state"] = (local_numel(optimizer_state), sum(t.numel() for t in optimizer_state))
+    results["export"] = fsdp.save_model_checkpoint()
+    results["checkpointer"] = type(fsdp.checkpointer).__name__
+
+    stopped_args = arguments("fsdp", os.path.join(out, "stopped"), max_steps=STOP_AT)
+    stopped_args.checkpointer_args.async_save, stopped_args.checkpointer_args.save_every_n_steps = True, 1
+    stopped_args.checkpointer_args.keep_last_n = 2
+    stopped = Trainer(TinyTransformer(), stopped_args)
+    stopped.train()  # background saves at steps 1, 2, 3 (the last one kept twice), written by both ranks
+
+    grown = Trainer(TinyTransformer(), arguments("fsdp", one_rank_dir, checkpointer_args=DefaultCheckpointerArguments(
+        save_dir=os.path.join(one_rank_dir, "checkpoints"), resume="auto")))
+    grown.args.checkpointer_args.save_dir = os.path.join(one_rank_dir, "checkpoints")
+    grown.train()  # resumes the 1-rank checkpoint on 2 ranks
+    results["grown"] = full_weights(grown)
+    results["grown_step"] = grown.global_steps_finished
+    dist.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("fsdp"))
+    one_rank_dir = os.path.join(out, "one-rank")
+    Trainer(TinyTransformer(), arguments("fsdp", one_rank_dir, max_steps=STOP_AT)).train()  # 1 rank, stops at step 3
+    results = run_ranks(two_rank_scenarios, out=out, one_rank_dir=one_rank_dir, timeout=240)
+    return out, results
+
+
+def max_difference(first: dict, second: dict) -> float:
+    assert first.keys() == second.keys()
+    return max((first[name] - second[name]).abs().max().item() for name in first)
+
+
+def test_fsdp_matches_ddp_with_accumulation_clipping_and_scheduler(runs):
+    _, (rank0, rank1) = runs
+    assert max_difference(rank0["ddp"], rank0["fsdp"]) <= 1e-5
+    assert max_difference(rank0["fsdp"], rank1["fsdp"]) == 0  # the gathered weights are the same everywhere
+    assert rank0["fsdp_val_loss"] == pytest.approx(rank0["ddp_val_loss"], abs=1e-5)
+    ddp_norm, fsdp_norm = rank0["grad_norms"]
+    assert fsdp_norm == pytest.approx(ddp_norm, rel=1e-5) and fsdp_norm > 0.2  # norms over all shards; clipping bit
+
+
+def test_each_rank_holds_half_of_parameters_and_optimizer_state(runs):
+    _, ranks = runs
+    for result in ranks:
+        for local, total in (result["parameters"], result["optimizer_state"]):
+            assert abs(local - total / 2) <= 0.05 * total, (local, total)
+    assert sum(r["parameters"][0] for r in ranks) >= ranks[0]["parameters"][1]  # together: everything (padding aside)
+    assert ranks[0]["checkpointer"] == "ShardedCheckpointer"
+
+
+def test_sharded_checkpoint_layout_and_full_weight_export(runs):
+    out, (rank0, rank1) = runs
+    directory = os.path.join(out, "fsdp", "checkpoints", f"checkpoint-{EPOCHS * STEPS_PER_EPOCH:09d}")
+    files = set(os.listdir(directory))
+    assert {"state.pt", ".complete", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= files
+    assert rank1["export"] is None and rank0["export"].endswith(f"model-{EPOCHS * STEPS_PER_EPOCH:09d}.pt")
+    exported = torch.load(rank0["export"], weights_only=True)["model"]  # no process group needed
+    assert max_difference(exported, rank0["fsdp"]) == 0
+    inference = TinyTransformer()
+    inference.load_state_dict(exported)  # a plain module takes the full weights
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(runs):
+    out, (rank0, _) = runs
+    stopped = os.path.join(out, "stopped")
+    args = arguments("fsdp", stopped)
+    args.checkpointer_args.resume = "auto"
+    trainer = Trainer(TinyTransformer(), args)
+    trainer.train()
+    assert trainer.checkpointer.loaded_from.endswith(f"checkpoint-{STOP_AT:09d}")
+    assert sorted(name for name in os.listdir(os.path.join(stopped, "checkpoints")) if name.startswith("checkpoint-"))[0] == (
+        f"checkpoint-{STOP_AT - 1:09d}"  # keep_last_n=2 removed step 1's directory
+    )
+    assert trainer.global_steps_finished == EPOCHS * STEPS_PER_EPOCH
+    assert max_difference(full_weights(trainer), rank0["fsdp"]) <= 1e-5
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks(runs):
+    _, (rank0, rank1) = runs
+    assert rank0["grown_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert max_difference(rank0["grown"], rank0["fsdp"]) <= 1e-5
+    assert max_difference(rank0["grown"], rank1["grown"]) == 0
+
+
+class Collect(logging.Handler):
+    """The framework's log handler writes to the stderr of the first test that configured it: collect here."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_incomplete_or_damaged_sharded_checkpoint_falls_back_with_a_warning(tmp_path):
+    out = str(tmp_path)
+    args = arguments("fsdp", out, max_steps=3, track_grad_norm=False)
+    args.checkpointer_args.save_every_n_steps = 1
+    Trainer(TinyTransformer(), args).train()
+    checkpoints = os.path.join(out, "checkpoints")
+    os.remove(os.path.join(checkpoints, f"checkpoint-{3:09d}", ".complete"))  # killed before the save finished
+    with open(os.path.join(checkpoints, f"checkpoint-{2:09d}", "state.pt"), "r+b") as handle:
+        handle.truncate(100)  # damaged
+    args = arguments("fsdp", out, max_steps=3, track_grad_norm=False)
+    args.checkpointer_args.resume = "auto"
+    trainer, collect = Trainer(TinyTransformer(), args), Collect()
+    logging.getLogger("framework").addHandler(collect)
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("framework").removeHandler(collect)
+    assert trainer.checkpointer.loaded_from.endswith(f"checkpoint-{1:09d}")
+    skipped = [message for message in collect.messages if "was skipped" in message]
+    assert len(skipped) == 2 and "no .complete marker" in skipped[0] and "truncated" in skipped[1]
+
+
+def test_a_rank_zero_checkpointer_is_refused_under_fsdp(tmp_path):
+    with pytest.raises(ValueError, match="ShardedCheckpointer"):
+        Trainer(TinyTransformer(), arguments("fsdp", str(tmp_path)), checkpointer=DefaultCheckpointer())
+
+
+def test_compile_matches_eager(tmp_path):
+    """One rank, one block, two steps: compile is slow on CPU (the 2-rank fsdp compile is in benchmarks/fsdp.py)."""
+    backend, weights, messages = "fsdp", {}, []
+    for compile in (False, True):
+        args = arguments(backend, str(tmp_path / f"{compile}"), max_steps=2, epochs=1, compile=compile, track_grad_norm=False)
+        trainer, collect = Trainer(TinyTransformer(depth=1), args), Collect()
+        logging.getLogger("backends").addHandler(collect)
+        try:
+            trainer.train()
+        finally:
+            logging.getLogger("backends").removeHandler(collect)
+        weights[compile] = full_weights(trainer)
+        messages.extend(collect.messages)
+    assert max_difference(weights[False], weights[True]) <= 1e-4  # inductor's fused kernels round differently
+    assert sum("torch.compile: first training step" in message for message in messages) == 1

@@ -37,13 +37,10 @@ class TrainerBackend:
 
     def __init__(self, strategy: Optional[Strategy] = None, precision: Optional[Precision] = None) -> None:
         if strategy is not None and not isinstance(strategy, Strategy):
-            raise TypeError(
-                f"strategy must be a backends.Strategy (e.g. SingleProcess(), DDP()), got {type(strategy).__name__}"
-            )
+            raise TypeError(f"strategy must be a backends.Strategy (e.g. SingleProcess(), DDP()), got {type(strategy).__name__}")
         if precision is not None and not isinstance(precision, Precision):
             raise TypeError(
-                "precision must be a backends.Precision (e.g. FullPrecision(), MixedPrecision()), "
-                f"got {type(precision).__name__}"
+                f"precision must be a backends.Precision (e.g. FullPrecision(), MixedPrecision()), got {type(precision).__name__}"
             )
         self.strategy = strategy if strategy is not None else SingleProcess()
         self.precision = precision if precision is not None else FullPrecision()

@@ -511,9 +511,7 @@ def register_cluster_environment(
             raise ValueError(f"cluster environment {name!r} is already registered; pass override=True to replace it")
         anchor = before if before is not None else cls.detect_before
         if anchor is not None and anchor not in _registry:
-            raise ValueError(
-                f"before={anchor!r} is not a registered cluster environment; registered: {', '.join(_registry)}"
-            )
+            raise ValueError(f"before={anchor!r} is not a registered cluster environment; registered: {', '.join(_registry)}")
         cls.name = name
         entries = [(key, value) for key, value in _registry.items() if key != name]
         position = 0 if anchor is None else [key for key, _ in entries].index(anchor)

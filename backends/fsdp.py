@@ -121,4 +121,3 @@ def sharded_parameter_count(module: torch.nn.Module) -> Dict[str, int]:
         total += parameter.numel()
         local += parameter.to_local().numel() if isinstance(parameter, DTensor) else parameter.numel()
     return {"local": local, "total": total}
-

@@ -85,9 +85,7 @@ def _expand_group(group: str, expression: str) -> List[str]:
     for part in group.split(","):
         match = _RANGE.match(part.strip())
         if match is None:
-            raise ValueError(
-                f"hostlist {expression!r} is invalid: {part!r} in [{group}] is not a number or a range low-high"
-            )
+            raise ValueError(f"hostlist {expression!r} is invalid: {part!r} in [{group}] is not a number or a range low-high")
         low, high = match.group(1), match.group(2) or match.group(1)
         if int(low) > int(high):
             raise ValueError(f"hostlist {expression!r} is invalid: range {part!r} goes down")

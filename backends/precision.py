@@ -100,7 +100,9 @@ class MixedPrecision(Precision):
 
     name = "amp"
 
-    def __init__(self, dtype: Optional[str] = None, use_grad_scaler: Optional[bool] = None, default_dtype: Optional[str] = None) -> None:
+    def __init__(
+        self, dtype: Optional[str] = None, use_grad_scaler: Optional[bool] = None, default_dtype: Optional[str] = None
+    ) -> None:
         for name, value in (("dtype", dtype), ("default_dtype", default_dtype)):
             if value is not None and value not in _AMP_DTYPES:
                 raise ValueError(f"MixedPrecision {name}={value!r} is not supported; allowed: None, {sorted(_AMP_DTYPES)}")

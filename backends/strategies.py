@@ -393,7 +393,9 @@ class DDP(Strategy):
             if store.add("framework/preempt/ranks", 0) == self.world_size:
                 steps = [int(store.get(f"framework/preempt/step/{rank}")) for rank in range(self.world_size)]
                 self._preemption_stop_step = max(steps) + 1
-                logger.debug("rank %d: every rank has a signal pending; stopping at step %d", self.rank, self._preemption_stop_step)
+                logger.debug(
+                    "rank %d: every rank has a signal pending; stopping at step %d", self.rank, self._preemption_stop_step
+                )
         return self._preemption_stop_step is not None and global_step >= self._preemption_stop_step
 
     def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:

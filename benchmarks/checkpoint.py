@@ -54,7 +54,9 @@ class LinearStack(ModuleInterface):
             blocks += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
         self.net = torch.nn.Sequential(*blocks[:-1])
         generator = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(SAMPLES, WIDTH, generator=generator), torch.randn(SAMPLES, WIDTH, generator=generator))
+        self.data = TensorDataset(
+            torch.randn(SAMPLES, WIDTH, generator=generator), torch.randn(SAMPLES, WIDTH, generator=generator)
+        )
 
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
         return [torch.optim.SGD(self.parameters(), lr=1e-4, momentum=0.9)], []
@@ -141,14 +143,27 @@ class StepClock(Callback):
 
 
 def train(
-    module: LinearStack, directory: str, max_steps: int, interval: Optional[float] = None, saves: int = 0,
-    async_save: bool = False, niceness: Optional[int] = None, **extra: Any,
+    module: LinearStack,
+    directory: str,
+    max_steps: int,
+    interval: Optional[float] = None,
+    saves: int = 0,
+    async_save: bool = False,
+    niceness: Optional[int] = None,
+    **extra: Any,
 ) -> StepClock:
     clock = StepClock(interval, saves)
     checkpointer = DefaultCheckpointerArguments(save_dir=directory, period=0, save_at_end=False, async_save=async_save, **extra)
     args = TrainerArguments(
-        epochs=10**6, max_steps=max_steps, train_batch_size=BATCH, disable_tqdm=True, log_level="WARNING",
-        log_every_n_steps=10**6, val_every_n_epochs=0, output_dir=os.path.join(directory, "out"), checkpointer_args=checkpointer,
+        epochs=10**6,
+        max_steps=max_steps,
+        train_batch_size=BATCH,
+        disable_tqdm=True,
+        log_level="WARNING",
+        log_every_n_steps=10**6,
+        val_every_n_epochs=0,
+        output_dir=os.path.join(directory, "out"),
+        checkpointer_args=checkpointer,
     )
     timed = TimedCheckpointer(checkpointer, niceness=niceness)
     trainer = TimedTrainer(module, args, checkpointer=timed, callbacks=[clock])
@@ -184,7 +199,9 @@ def measure(layers: int, interval: float, saves: int, directory: str, niceness: 
     gc.collect()
 
     async_dir = os.path.join(directory, "async")
-    asynchronous = train(module, async_dir, max_steps=unlimited, interval=interval, saves=saves, async_save=True, niceness=niceness)
+    asynchronous = train(
+        module, async_dir, max_steps=unlimited, interval=interval, saves=saves, async_save=True, niceness=niceness
+    )
     shutil.rmtree(async_dir, ignore_errors=True)
     del module
     gc.collect()

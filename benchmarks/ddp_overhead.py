@@ -148,7 +148,8 @@ def ddp_benchmark(options: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=300),
+        "nccl" if device.type == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=300),
         device_id=device if device.type == "cuda" else None,
     )
     try:
@@ -159,9 +160,7 @@ def ddp_benchmark(options: argparse.Namespace) -> None:
             times = alternate(
                 {
                     "raw DDP loop": lambda: raw_ddp_loop(data, options.epochs, options.batch),
-                    "framework ddp": lambda: framework_loop(
-                        data, options.epochs, options.batch * world_size, "ddp", output_dir
-                    ),
+                    "framework ddp": lambda: framework_loop(data, options.epochs, options.batch * world_size, "ddp", output_dir),
                     "framework, log/epoch": lambda: framework_loop(
                         data, options.epochs, options.batch * world_size, "ddp", output_dir, log_every_n_steps=10**9
                     ),

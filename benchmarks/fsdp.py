@@ -55,8 +55,15 @@ def run(backend: str, steps: int, compile: bool = False) -> Dict[str, float]:
     module = TinyTransformer(samples=16 * steps, length=32, width=128, depth=4, lr=1e-3)
     clock = StepClock()
     args = TrainerArguments(
-        epochs=1, train_batch_size=16, backend=backend, disable_tqdm=True, sanity_val_steps=0, val_every_n_epochs=0,
-        output_dir=tempfile.mkdtemp(), compile=compile, log_every_n_steps=10**6,
+        epochs=1,
+        train_batch_size=16,
+        backend=backend,
+        disable_tqdm=True,
+        sanity_val_steps=0,
+        val_every_n_epochs=0,
+        output_dir=tempfile.mkdtemp(),
+        compile=compile,
+        log_every_n_steps=10**6,
     )
     args.checkpointer_args.period, args.checkpointer_args.save_at_end = 0, False
     trainer = Trainer(module, args, callbacks=[clock])
@@ -66,7 +73,9 @@ def run(backend: str, steps: int, compile: bool = False) -> Dict[str, float]:
         def on_end_backward(self, global_step, loss):
             params = list(trainer.module.parameters())
             optimizer_state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if v.dim() > 0]
-            holder[:] = [local_bytes(params) + local_bytes(p.grad for p in params if p.grad is not None) + local_bytes(optimizer_state)]
+            holder[:] = [
+                local_bytes(params) + local_bytes(p.grad for p in params if p.grad is not None) + local_bytes(optimizer_state)
+            ]
 
     trainer.callbacks.append(KeepState())
     trainer.hooks.refresh()
@@ -88,9 +97,11 @@ def main() -> None:
     torch.set_num_threads(1)
     if options.compile:
         eager, compiled = run("sp", options.steps), run("sp", options.steps, compile=True)
-        print(f"compile: first step {compiled['first_step_s']:.1f} s (eager {eager['first_step_s']:.3f} s); "
-              f"median step compiled/eager = {compiled['median_step_s'] / eager['median_step_s']:.2f} "
-              f"({compiled['median_step_s'] * 1e3:.1f} ms / {eager['median_step_s'] * 1e3:.1f} ms)")
+        print(
+            f"compile: first step {compiled['first_step_s']:.1f} s (eager {eager['first_step_s']:.3f} s); "
+            f"median step compiled/eager = {compiled['median_step_s'] / eager['median_step_s']:.2f} "
+            f"({compiled['median_step_s'] * 1e3:.1f} ms / {eager['median_step_s'] * 1e3:.1f} ms)"
+        )
         return
     dist.init_process_group("gloo")
     fsdp = run("fsdp", options.steps)

@@ -116,5 +116,6 @@ def main() -> None:
     print(f"framework ({options.backend}): {framework:.3f} s median ({1e6 * framework / steps:.1f} us/step)")
     print(f"ratio framework/raw: {framework / raw:.3f} (median of medians); {paired:.3f} (median of paired runs)")
 
+
 if __name__ == "__main__":
     main()

@@ -66,8 +66,10 @@ def main(argv: Optional[List[str]] = None) -> Trainer:
     history = trainer.train()
     if trainer.is_main_process:
         stopped = f"stopped early at step {stopper.stopped_step} ({stopper.reason})" if stopper.stopped_step else "ran all epochs"
-        print(f"{stopped}; best {stopper.monitor}={stopper.best:.4f} at step {stopper.best_step}; "
-              f"val_accuracy={history.latest('val_accuracy'):.4f}; {trainer.global_steps_finished} steps")
+        print(
+            f"{stopped}; best {stopper.monitor}={stopper.best:.4f} at step {stopper.best_step}; "
+            f"val_accuracy={history.latest('val_accuracy'):.4f}; {trainer.global_steps_finished} steps"
+        )
         try:
             from framework.plot import plot_metrics
 

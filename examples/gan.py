@@ -104,8 +104,18 @@ class DigitsGAN(ModuleInterface):
 def main(argv: Any = None) -> float:
     """Train; return the discriminator's last epoch loss (about log 2 ~ 0.69 when balanced)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    defaults = ["--trainer.epochs", "10", "--trainer.train_batch_size", "64", "--trainer.output_dir", "outputs/gan",
-                "--trainer.find_unused_parameters", "true", "--trainer.seed", "0"]
+    defaults = [
+        "--trainer.epochs",
+        "10",
+        "--trainer.train_batch_size",
+        "64",
+        "--trainer.output_dir",
+        "outputs/gan",
+        "--trainer.find_unused_parameters",
+        "true",
+        "--trainer.seed",
+        "0",
+    ]
     config = parse_config({"model": GANArguments}, argv=defaults + argv, program="examples/gan.py")
     seed_everything(config.trainer.seed)
     trainer = Trainer(module=DigitsGAN(config.model), args=config.trainer)

@@ -112,8 +112,8 @@ class TrainerArguments:
             _require(value is None or value >= 1, name, value, "None or an integer >= 1")
         for name in ("max_train_steps_per_epoch", "max_val_steps_per_epoch"):
             value = getattr(self, name)
-            allowed = value is None or (isinstance(value, int) and value >= 1) or (
-                isinstance(value, float) and 0.0 < value <= 1.0
+            allowed = (
+                value is None or (isinstance(value, int) and value >= 1) or (isinstance(value, float) and 0.0 < value <= 1.0)
             )
             _require(allowed, name, value, "None, an integer >= 1, or a fraction in (0, 1]")
         _require(self.max_time is None or self.max_time > 0, "max_time", self.max_time, "None or seconds > 0")
@@ -130,7 +130,9 @@ class TrainerArguments:
         _require(isinstance(self.backend, str) and bool(self.backend), "backend", self.backend, "a backend name")
         _require(
             self.cluster is None or (isinstance(self.cluster, str) and bool(self.cluster)),
-            "cluster", self.cluster, "None (detect) or a cluster environment name such as 'slurm'",
+            "cluster",
+            self.cluster,
+            "None (detect) or a cluster environment name such as 'slurm'",
         )
 
 
@@ -151,8 +153,7 @@ def micro_batch_plan(train_batch_size: int, world_size: int, gpu_batch_size_limi
     """
     if train_batch_size % world_size:
         raise ValueError(
-            f"train_batch_size={train_batch_size} is not divisible by the world size {world_size}; "
-            f"use a multiple of {world_size}"
+            f"train_batch_size={train_batch_size} is not divisible by the world size {world_size}; use a multiple of {world_size}"
         )
     per_process = train_batch_size // world_size
     if gpu_batch_size_limit is None or gpu_batch_size_limit >= per_process:

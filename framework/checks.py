@@ -41,7 +41,11 @@ def check_optimizers_schedulers(returned: Any, method: str = "get_optimizers_sch
         TypeError: get_optimizers_schedulers must return ([optimizers], [schedulers]), e.g. ([optimizer], [scheduler]) or ([optimizer], []); got SGD
     """
     if not (isinstance(returned, (tuple, list)) and len(returned) == 2 and not _is_optimizer(returned[0])):
-        got = type(returned).__name__ if not isinstance(returned, (tuple, list)) else f"a {type(returned).__name__} of {len(returned)} items"
+        got = (
+            type(returned).__name__
+            if not isinstance(returned, (tuple, list))
+            else f"a {type(returned).__name__} of {len(returned)} items"
+        )
         if isinstance(returned, (tuple, list)) and len(returned) == 2:
             got = f"({type(returned[0]).__name__}, {type(returned[1]).__name__})"
         raise TypeError(f"{method} must return {_OPTIMIZERS_SHAPE}; got {got}")
@@ -55,7 +59,9 @@ def check_optimizers_schedulers(returned: Any, method: str = "get_optimizers_sch
         raise ValueError(f"{method} returned no optimizer; return {_OPTIMIZERS_SHAPE}")
     for index, optimizer in enumerate(optimizers):
         if not _is_optimizer(optimizer):
-            raise TypeError(f"{method}: optimizer {index} is a {type(optimizer).__name__}, not a torch.optim.Optimizer; return {_OPTIMIZERS_SHAPE}")
+            raise TypeError(
+                f"{method}: optimizer {index} is a {type(optimizer).__name__}, not a torch.optim.Optimizer; return {_OPTIMIZERS_SHAPE}"
+            )
     for index, scheduler in enumerate(schedulers):
         if not (callable(getattr(scheduler, "step", None)) and callable(getattr(scheduler, "state_dict", None))):
             raise TypeError(
@@ -79,12 +85,16 @@ def check_train_dataloader(loader: Any, method: str = "get_train_dataloader") ->
         TypeError: get_train_dataloader returned None; it must return a DataLoader (or any iterable of batches) built with sampler(dataset)
     """
     if loader is None:
-        raise TypeError(f"{method} returned None; it must return a DataLoader (or any iterable of batches) built with sampler(dataset)")
+        raise TypeError(
+            f"{method} returned None; it must return a DataLoader (or any iterable of batches) built with sampler(dataset)"
+        )
     if not hasattr(loader, "__iter__"):
         raise TypeError(f"{method} returned a {type(loader).__name__}, which cannot be iterated; return a DataLoader")
 
 
-def check_train_loader_not_empty(loader: Any, length: Optional[int], batch_size: int, method: str = "get_train_dataloader") -> None:
+def check_train_loader_not_empty(
+    loader: Any, length: Optional[int], batch_size: int, method: str = "get_train_dataloader"
+) -> None:
     """Refuse a train loader whose length is 0: the run would take no step and save an empty checkpoint.
 
     Args:
@@ -128,7 +138,9 @@ def check_loss_requires_grad(loss: Any, module: Any, method: str = "train_step")
 
 def report_no_loaders(method: str) -> None:
     """Log that ``method`` (``get_test_dataloaders``, ``get_val_dataloaders``) returned no loader."""
-    logger.warning("%s returned no loader (None or an empty dict): nothing to evaluate; implement %s to return a DataLoader", method, method)
+    logger.warning(
+        "%s returned no loader (None or an empty dict): nothing to evaluate; implement %s to return a DataLoader", method, method
+    )
 
 
 # -- hooks -------------------------------------------------------------------------------------
@@ -165,8 +177,10 @@ def check_hook_signatures(*targets: Any) -> None:
             problem = _signature_problem(implementation, inspect.signature(getattr(TrainingHooks, name)))
             if problem:
                 expected = _format_expected(name)
-                raise TypeError(f"{type(target).__name__}.{name}{_format_signature(implementation)} does not fit the hook: "
-                                f"it is called as {name}{expected} ({problem})")
+                raise TypeError(
+                    f"{type(target).__name__}.{name}{_format_signature(implementation)} does not fit the hook: "
+                    f"it is called as {name}{expected} ({problem})"
+                )
 
 
 def _signature_problem(implementation: Any, reference: inspect.Signature) -> Optional[str]:
@@ -207,7 +221,11 @@ def _format_signature(implementation: Any) -> str:
 
 
 def _format_expected(name: str) -> str:
-    parameters = [p.replace(annotation=inspect.Parameter.empty) for p in inspect.signature(getattr(TrainingHooks, name)).parameters.values() if p.name != "self"]
+    parameters = [
+        p.replace(annotation=inspect.Parameter.empty)
+        for p in inspect.signature(getattr(TrainingHooks, name)).parameters.values()
+        if p.name != "self"
+    ]
     return str(inspect.Signature(parameters))
 
 
@@ -254,7 +272,9 @@ def check_optimizer_state_compatible(
 
 def _saved(state: Dict[str, Any], key: str, where: str) -> Any:
     if not isinstance(state, dict) or key not in state:
-        raise CheckpointMismatch(f"checkpoint {where}: its trainer state has no {key!r} entry; it was not written by this trainer (or by an incompatible version)")
+        raise CheckpointMismatch(
+            f"checkpoint {where}: its trainer state has no {key!r} entry; it was not written by this trainer (or by an incompatible version)"
+        )
     return state[key]
 
 

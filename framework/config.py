@@ -282,7 +282,9 @@ def suggest(key: str, valid: Sequence[str]) -> Optional[str]:
     return best[2] if best[0] >= 0.7 else None
 
 
-def _assign(values: Dict[str, Dict[str, Any]], fields: Dict[str, Tuple[str, str, Any]], key: str, value: Any, source: str, from_text: bool) -> None:
+def _assign(
+    values: Dict[str, Dict[str, Any]], fields: Dict[str, Tuple[str, str, Any]], key: str, value: Any, source: str, from_text: bool
+) -> None:
     if key not in fields:
         close = suggest(key, list(fields))
         hint = f"; did you mean {close!r}?" if close else f"; valid sections: {sorted({f[0] for f in fields.values()})}"
@@ -430,7 +432,11 @@ def field_docs(cls: Type) -> Dict[str, str]:
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, following in zip(body, body[1:]):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+                if (
+                    isinstance(following, ast.Expr)
+                    and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)
+                ):
                     docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 

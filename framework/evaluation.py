@@ -64,7 +64,9 @@ class Evaluator:
             report_no_loaders(get_loaders.__name__)
         return {name: self.backend.prepare_loader(loader) for name, loader in loaders.items()}
 
-    def run(self, stage: Stage, global_step: int, batch_size: int, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
+    def run(
+        self, stage: Stage, global_step: int, batch_size: int, max_batches: Optional[int] = None, record: bool = True
+    ) -> Dict[str, float]:
         """Evaluate every loader of ``stage``; with ``record=False`` (sanity checks) only run the steps."""
         results: Dict[str, float] = {}
         was_training = self.module.training

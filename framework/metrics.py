@@ -211,8 +211,12 @@ class MetricCollector:
     def state_dict(self) -> Dict[str, Any]:
         """Values not yet written (checkpointed so a mid-epoch resume reports the same metrics)."""
         return {
-            "step": {name: [logged.value.detach().cpu().clone(), logged.reduce, logged.weight] for name, logged in self._step.items()},
-            "epoch": {name: [value.detach().cpu().clone(), weight, reduce] for name, (value, weight, reduce) in self._epoch.items()},
+            "step": {
+                name: [logged.value.detach().cpu().clone(), logged.reduce, logged.weight] for name, logged in self._step.items()
+            },
+            "epoch": {
+                name: [value.detach().cpu().clone(), weight, reduce] for name, (value, weight, reduce) in self._epoch.items()
+            },
             "reductions": dict(self._reductions),
             "on_step": sorted(self._on_step),
         }

@@ -55,7 +55,7 @@ def panel_of(name: str) -> str:
     base = name.split("/", 1)[0]
     for prefix in _STAGES:
         if base.startswith(prefix):
-            base = base[len(prefix):]
+            base = base[len(prefix) :]
             break
     if base.endswith("_epoch"):
         base = base[: -len("_epoch")]
@@ -133,7 +133,7 @@ def plot_metrics(
         axis.grid(alpha=0.3)
         if len(names) > 1 or names[0] != panel:
             axis.legend(fontsize=8)
-    for axis in list(axes.flat)[len(grouped):]:
+    for axis in list(axes.flat)[len(grouped) :]:
         axis.set_visible(False)
     figure.suptitle(title or os.path.basename(os.path.dirname(os.path.abspath(csv_path))))
     figure.tight_layout()

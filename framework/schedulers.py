@@ -7,7 +7,9 @@ import torch
 from framework.checks import check_optimizers_schedulers
 
 
-def build_optimizers_schedulers(module: Any, estimated_global_steps_per_epoch: Optional[int], epochs: int) -> Tuple[List[torch.optim.Optimizer], List[Any]]:
+def build_optimizers_schedulers(
+    module: Any, estimated_global_steps_per_epoch: Optional[int], epochs: int
+) -> Tuple[List[torch.optim.Optimizer], List[Any]]:
     """``module.get_optimizers_schedulers(...)`` as two lists.
 
     With a train loader of unknown length (a stream), ``estimated_global_steps_per_epoch`` is

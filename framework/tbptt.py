@@ -30,5 +30,7 @@ def split_along_time(batch: Any, chunk_length: int) -> List[Any]:
 def _chunk_count(parts: Iterable[Optional[List[Any]]]) -> int:
     counts = {len(p) for p in parts if p is not None}
     if len(counts) != 1:
-        raise ValueError(f"tbptt_steps needs every tensor with 2+ dims to share dim 1's length; got chunk counts {sorted(counts)}")
+        raise ValueError(
+            f"tbptt_steps needs every tensor with 2+ dims to share dim 1's length; got chunk counts {sorted(counts)}"
+        )
     return counts.pop()

@@ -226,7 +226,9 @@ class Trainer:
     def _train_epoch(self) -> None:
         """One epoch: for each optimizer step, its micro-batches, the step, then what is due."""
         args, progress = self.args, self.progress
-        cycles = accumulation_cycles(self._micro_batches_this_epoch(), self.gradient_accumulation, progress.batches_finished_in_epoch)
+        cycles = accumulation_cycles(
+            self._micro_batches_this_epoch(), self.gradient_accumulation, progress.batches_finished_in_epoch
+        )
         batches = self._start_epoch()
         self._stream_ended = False
         for cycle_length in cycles:
@@ -255,7 +257,9 @@ class Trainer:
             if batch is None:
                 return 0
             step = self.global_steps_finished
-            self._after_micro_batch(as_outputs(self.backend.forward(self._wrapped, Stage.TRAIN, step, batch, self.device), "train_step"))
+            self._after_micro_batch(
+                as_outputs(self.backend.forward(self._wrapped, Stage.TRAIN, step, batch, self.device), "train_step")
+            )
             return 1
         if self._closure_optimizers:
             batch = self._next_batch(batches)
@@ -303,7 +307,9 @@ class Trainer:
             with self.backend.no_sync(wrapped, skip_gradient_sync=not sync or index + 1 < len(chunks)):
                 outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, chunk, device, hiddens), "train_step")
                 if len(outputs) < 2:
-                    raise TypeError("with tbptt_steps set, train_step(global_step, batch, device, hiddens) must return (loss, hiddens, ...)")
+                    raise TypeError(
+                        "with tbptt_steps set, train_step(global_step, batch, device, hiddens) must return (loss, hiddens, ...)"
+                    )
                 self._check_first_loss(outputs[0])
                 self.backend.backward(outputs[0] / (cycle_length * len(chunks)))
             self.hooks.call("on_end_backward", step, outputs[0])
@@ -373,7 +379,9 @@ class Trainer:
     def _start_epoch(self) -> Iterator[Any]:
         """Position the sampler (and the RNG) where the epoch continues; ``on_begin_train_epoch``."""
         progress = self.progress
-        self._loader_position.start_epoch(progress.epochs_finished, progress.batches_finished_in_epoch * self.train_step_batch_size)
+        self._loader_position.start_epoch(
+            progress.epochs_finished, progress.batches_finished_in_epoch * self.train_step_batch_size
+        )
         # Creating a DataLoader iterator draws a seed from the global RNG. A resumed run
         # restores the saved RNG where the saved run was: before that draw at an epoch
         # boundary, after it mid-epoch.
@@ -397,7 +405,11 @@ class Trainer:
         if self.automatic_optimization and self.args.scheduler_interval == "epoch":
             self._step_schedulers()
         every = self.args.val_every_n_epochs
-        if every and (progress.epochs_finished + 1) % every == 0 and progress.last_validated_step != progress.global_steps_finished:
+        if (
+            every
+            and (progress.epochs_finished + 1) % every == 0
+            and progress.last_validated_step != progress.global_steps_finished
+        ):
             self._evaluate(Stage.VAL)
         self._log_epoch_summary()
         progress.finish_epoch()
@@ -557,7 +569,9 @@ class Trainer:
     def _record(self, metrics: Dict[str, float]) -> None:
         if not metrics:
             return
-        records = [self.history.add(name, value, self.global_steps_finished, self.epochs_finished) for name, value in metrics.items()]
+        records = [
+            self.history.add(name, value, self.global_steps_finished, self.epochs_finished) for name, value in metrics.items()
+        ]
         if self.is_main_process:
             for writer in self.writers:
                 writer.write(records)
@@ -599,7 +613,9 @@ class Trainer:
             self._wrapped = self.backend.wrap_module(self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
-            self.optimizers, self.schedulers = build_optimizers_schedulers(self.module, self.estimated_global_steps_per_epoch, self.args.epochs)
+            self.optimizers, self.schedulers = build_optimizers_schedulers(
+                self.module, self.estimated_global_steps_per_epoch, self.args.epochs
+            )
             self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
             if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
                 raise ValueError(
@@ -608,7 +624,10 @@ class Trainer:
                 )
             if not self.automatic_optimization:
                 self.manual_optimization = ManualOptimization(
-                    self.backend, self.optimizers, self.schedulers, self._wrapped,
+                    self.backend,
+                    self.optimizers,
+                    self.schedulers,
+                    self._wrapped,
                     on_backward=lambda loss: self.hooks.call("on_end_backward", self.global_steps_finished, loss),
                 )
         self._prepare_callbacks()
@@ -751,7 +770,10 @@ class Trainer:
         if len(ranks) != world_size:
             logger.warning(
                 "checkpoint written by %d ranks, resumed on %d: RNG streams and running losses are taken from "
-                "rank (this rank mod %d)", len(ranks), world_size, len(ranks),
+                "rank (this rank mod %d)",
+                len(ranks),
+                world_size,
+                len(ranks),
             )
         mine = ranks[self.backend.rank % len(ranks)]
         self.losses.load_state_dict(mine)
@@ -790,7 +812,8 @@ def _check_optimization_mode(module: ModuleInterface, args: TrainerArguments, ac
     refused = {
         "gradient accumulation (train_batch_size / world size > gpu_batch_size_limit)": accumulation > 1,
         "tbptt_steps (split the batch in train_step instead)": args.tbptt_steps is not None,
-        "clip_grads / clip_grad_value (call self.clip_gradients in train_step)": args.clip_grads or args.clip_grad_value is not None,
+        "clip_grads / clip_grad_value (call self.clip_gradients in train_step)": args.clip_grads
+        or args.clip_grad_value is not None,
         "track_grad_norm (clip_gradients returns the norm: self.log it)": args.track_grad_norm,
     }
     for setting, applies in refused.items():

@@ -90,7 +90,13 @@ def resume_position(
         logger.warning(
             "checkpoint taken after %d samples of the epoch (%d ranks x %d per micro-batch); resuming with %d ranks x %d "
             "x %d accumulated micro-batches does not land on an optimizer step: it resumes from the step before "
-            "(those samples are seen twice)", samples, saved_world_size, saved_micro_batch, world_size, micro_batch, accumulation,
+            "(those samples are seen twice)",
+            samples,
+            saved_world_size,
+            saved_micro_batch,
+            world_size,
+            micro_batch,
+            accumulation,
         )
     resumed = samples // (micro_batch * world_size)
     return resumed - resumed % accumulation

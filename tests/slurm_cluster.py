@@ -98,11 +98,19 @@ class SlurmCluster:
                 )
             )
         log = os.path.join(self.root, "log")
-        self._spawn("munged", [
-            "munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-            f"--log-file={log}/munged.log", f"--pid-file={self.root}/munge/munged.pid",
-            f"--seed-file={self.root}/munge/munged.seed",
-        ])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--log-file={log}/munged.log",
+                f"--pid-file={self.root}/munge/munged.pid",
+                f"--seed-file={self.root}/munge/munged.seed",
+            ],
+        )
         self._wait_for(lambda: os.path.exists(self.munge_socket), 10, "munged did not create its socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", self.conf])
         self._spawn("slurmd", ["slurmd", "-D", "-f", self.conf])
@@ -159,9 +167,7 @@ class SlurmCluster:
     ) -> subprocess.CompletedProcess:
         """Run a client command (srun, sbatch, ...) against this cluster, with ``env`` added to
         the environment (which srun and sbatch hand to the job)."""
-        return subprocess.run(
-            command, env={**self.env, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=timeout
-        )
+        return subprocess.run(command, env={**self.env, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
     def job_fields(self, job_id: str) -> Dict[str, str]:
         """``scontrol show job`` as ``{field: value}`` (Slurm keeps finished jobs for MinJobAge)."""

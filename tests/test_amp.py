@@ -172,7 +172,13 @@ def test_scaler_state_survives_checkpoint_and_resume(tmp_path):
 
 def test_gradients_are_unscaled_before_clipping(tmp_path):
     def grad_norms(precision: MixedPrecision) -> list:
-        args = inf_args(tmp_path / str(precision.use_grad_scaler), clip_grads=True, max_grad_norm=0.5, track_grad_norm=True, log_every_n_steps=1)
+        args = inf_args(
+            tmp_path / str(precision.use_grad_scaler),
+            clip_grads=True,
+            max_grad_norm=0.5,
+            track_grad_norm=True,
+            log_every_n_steps=1,
+        )
         trainer = Trainer(ToyModule(), args, trainer_backend=TrainerBackend(SingleProcess(), precision))
         history = trainer.train()
         return flat_parameters(trainer.module), [r["value"] for r in history.records if r["name"] == "grad_norm"]

@@ -37,13 +37,9 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 def make_args(tmp_path, checkpoints: DefaultCheckpointerArguments = None, **overrides) -> TrainerArguments:
     """Quiet, seeded arguments that write under tmp_path; no checkpoints unless given."""
-    values = dict(
-        epochs=2, train_batch_size=32, seed=0, disable_tqdm=True, log_level="WARNING", output_dir=str(tmp_path / "run")
-    )
+    values = dict(epochs=2, train_batch_size=32, seed=0, disable_tqdm=True, log_level="WARNING", output_dir=str(tmp_path / "run"))
     values.update(overrides)
-    return TrainerArguments(
-        checkpointer_args=checkpoints or DefaultCheckpointerArguments(period=0, save_at_end=False), **values
-    )
+    return TrainerArguments(checkpointer_args=checkpoints or DefaultCheckpointerArguments(period=0, save_at_end=False), **values)
 
 
 @contextmanager
@@ -130,7 +126,9 @@ def test_early_stopping_ends_training_after_patience_epochs_but_not_before_min_e
     assert stopper.best == history.values("val_loss")[0] and stopper.best_step == 8
 
     stopper = EarlyStopping(patience=2)
-    trainer = Trainer(ToyModule(lr=0.0, scheduler=None), make_args(tmp_path / "min_epochs", epochs=10, min_epochs=5), callbacks=[stopper])
+    trainer = Trainer(
+        ToyModule(lr=0.0, scheduler=None), make_args(tmp_path / "min_epochs", epochs=10, min_epochs=5), callbacks=[stopper]
+    )
     trainer.train()
     assert trainer.epochs_finished == 5  # asked to stop after 3, honoured once min_epochs were done
 
@@ -163,7 +161,9 @@ def test_callback_states_survive_checkpoint_resume(tmp_path):
 
     resume = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt2"), load_dir=str(tmp_path / "ckpt"), period=0)
     stopper, timer = EarlyStopping(patience=5), Timer()
-    second = Trainer(ToyModule(lr=0.0, scheduler=None), make_args(tmp_path / "resumed", resume, epochs=4), callbacks=[stopper, timer])
+    second = Trainer(
+        ToyModule(lr=0.0, scheduler=None), make_args(tmp_path / "resumed", resume, epochs=4), callbacks=[stopper, timer]
+    )
     history = second.train()
     assert second.epochs_finished == 4 and len(history.values("val_loss")) == 4
     assert stopper.best == first_stopper.best and stopper.best_step == 8
@@ -256,10 +256,12 @@ def test_learning_rate_monitor_records_the_rate_each_logged_step_used(tmp_path):
     assert steps == [2, 4, 6, 8]
     assert history.values("lr") == pytest.approx([0.05 * 0.5 ** ((step - 1) // 3) for step in steps])
 
-    trainer = Trainer(ToyModule(scheduler="step"), make_args(tmp_path / "per_epoch", epochs=2), callbacks=[LearningRateMonitor("epoch")])
+    trainer = Trainer(
+        ToyModule(scheduler="step"), make_args(tmp_path / "per_epoch", epochs=2), callbacks=[LearningRateMonitor("epoch")]
+    )
     history = trainer.train()
     assert [step for step, _ in history.steps("lr")] == [0, 8]
-    assert history.values("lr") == pytest.approx([0.05, 0.05 * 0.5 ** 2])
+    assert history.values("lr") == pytest.approx([0.05, 0.05 * 0.5**2])
 
 
 def test_learning_rates_names_optimizers_and_groups():
@@ -373,7 +375,13 @@ def _two_rank_callbacks(rank: int, out: str):
     # 1) Early stopping on the (gathered, identical) validation loss.
     stopper, bar = EarlyStopping(patience=1, min_delta=0.05), BarProbe(refresh_seconds=60)
     args = TrainerArguments(
-        epochs=8, train_batch_size=32, backend="ddp", seed=0, log_level="ERROR", output_dir=out, disable_tqdm=False,
+        epochs=8,
+        train_batch_size=32,
+        backend="ddp",
+        seed=0,
+        log_level="ERROR",
+        output_dir=out,
+        disable_tqdm=False,
         checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
     )
     trainer = Trainer(ToyModule(lr=0.02), args, callbacks=[bar, stopper])

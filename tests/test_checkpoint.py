@@ -78,7 +78,11 @@ def make_checkpoint(step: int, value: float = 0.0, metrics: Dict[str, float] = N
 
 def trainer_args(tmp_path: Any, epochs: int = 2, **checkpointer: Any) -> TrainerArguments:
     return TrainerArguments(
-        epochs=epochs, train_batch_size=32, disable_tqdm=True, log_level="WARNING", output_dir=str(tmp_path),
+        epochs=epochs,
+        train_batch_size=32,
+        disable_tqdm=True,
+        log_level="WARNING",
+        output_dir=str(tmp_path),
         checkpointer_args=DefaultCheckpointerArguments(**checkpointer),
     )
 
@@ -227,7 +231,9 @@ def test_save_triggers_and_model_export(tmp_path):
 def test_resume_auto_starts_fresh_then_continues(tmp_path):
     directory = str(tmp_path / "ckpt")
     first = Recorder()
-    trainer = Trainer(ToyModule(dropout=0.1, scheduler="step"), trainer_args(tmp_path, save_dir=directory, resume="auto"), callbacks=[first])
+    trainer = Trainer(
+        ToyModule(dropout=0.1, scheduler="step"), trainer_args(tmp_path, save_dir=directory, resume="auto"), callbacks=[first]
+    )
     trainer.train()
     assert first.start["global_step"] == 0 and first.start["optimizer_state_len"] == 0
     finished_params, steps = flat_parameters(trainer.module), trainer.global_steps_finished
@@ -320,7 +326,11 @@ def _ddp_train(rank: int, directory: str, load_filename: str = None, epochs: int
     """Runs in each of 2 gloo ranks."""
     recorder = Recorder()
     args = TrainerArguments(
-        epochs=epochs, train_batch_size=32, backend="ddp", disable_tqdm=True, log_level="WARNING",
+        epochs=epochs,
+        train_batch_size=32,
+        backend="ddp",
+        disable_tqdm=True,
+        log_level="WARNING",
         output_dir=os.path.join(directory, f"out{rank}"),
         checkpointer_args=DefaultCheckpointerArguments(
             save_dir=os.path.join(directory, "ddp"), save_every_n_steps=3, load_filename=load_filename
@@ -357,14 +367,19 @@ def test_ddp_checkpoint_loads_into_sp_and_back(tmp_path):
     ddp_dir = os.path.join(directory, "ddp")
     recorder = Recorder()
     args = trainer_args(
-        tmp_path / "out-sp2", epochs=3, save_dir=os.path.join(directory, "sp2"), load_filename=os.path.join(ddp_dir, checkpoint_name(ddp_steps))
+        tmp_path / "out-sp2",
+        epochs=3,
+        save_dir=os.path.join(directory, "sp2"),
+        load_filename=os.path.join(ddp_dir, checkpoint_name(ddp_steps)),
     )
     Trainer(ToyModule(seed=1, scheduler="step"), args, callbacks=[recorder]).train()
     assert torch.equal(recorder.start["params"], ranks[0]["params"]) and recorder.start["epochs_finished"] == 2
 
     mid = next(step for step in range(sp_steps + 1, ddp_steps) if step % 3 == 0)
     recorder = Recorder()
-    args = trainer_args(tmp_path / "out-sp3", save_dir=os.path.join(directory, "sp3"), load_filename=os.path.join(ddp_dir, checkpoint_name(mid)))
+    args = trainer_args(
+        tmp_path / "out-sp3", save_dir=os.path.join(directory, "sp3"), load_filename=os.path.join(ddp_dir, checkpoint_name(mid))
+    )
     Trainer(ToyModule(seed=1, scheduler="step"), args, callbacks=[recorder]).train()
     # ddp: 16 samples per rank per micro-batch; sp: 32 per micro-batch; same samples consumed.
     assert recorder.start["batches_finished_in_epoch"] == (mid - sp_steps)

@@ -49,12 +49,19 @@ class StepCounter(Callback):
 
 def run_args(output_dir: Any, epochs: int = 2, stop_on_nonfinite_loss: bool = True, **checkpointer: Any) -> TrainerArguments:
     return TrainerArguments(
-        epochs=epochs, train_batch_size=32, disable_tqdm=True, log_level="WARNING", output_dir=str(output_dir),
-        stop_on_nonfinite_loss=stop_on_nonfinite_loss, checkpointer_args=DefaultCheckpointerArguments(**checkpointer),
+        epochs=epochs,
+        train_batch_size=32,
+        disable_tqdm=True,
+        log_level="WARNING",
+        output_dir=str(output_dir),
+        stop_on_nonfinite_loss=stop_on_nonfinite_loss,
+        checkpointer_args=DefaultCheckpointerArguments(**checkpointer),
     )
 
 
-def train(output_dir: Any, epochs: int = 2, callbacks: tuple = (), stop_on_nonfinite_loss: bool = True, **checkpointer: Any) -> Trainer:
+def train(
+    output_dir: Any, epochs: int = 2, callbacks: tuple = (), stop_on_nonfinite_loss: bool = True, **checkpointer: Any
+) -> Trainer:
     arguments = run_args(output_dir, epochs, stop_on_nonfinite_loss, **checkpointer)
     trainer = Trainer(ToyModule(n_train=128, scheduler="step"), arguments, callbacks=callbacks)
     trainer.train()
@@ -153,9 +160,13 @@ def test_loading_from_its_own_save_dir_continues_the_run(tmp_path):
         fresh.save_model({"model": {}}, 5)
     assert names_in(directory) == [checkpoint_name(10), checkpoint_name(20)]
 
-    by_dir = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory, load_dir=str(tmp_path / "ckpt" / ".." / "ckpt")))
+    by_dir = DefaultCheckpointer(
+        DefaultCheckpointerArguments(save_dir=directory, load_dir=str(tmp_path / "ckpt" / ".." / "ckpt"))
+    )
     assert by_dir.continues_existing_run()
-    by_file = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory, load_filename=os.path.join(directory, checkpoint_name(10))))
+    by_file = DefaultCheckpointer(
+        DefaultCheckpointerArguments(save_dir=directory, load_filename=os.path.join(directory, checkpoint_name(10)))
+    )
     assert by_file.continues_existing_run() and by_file.load().global_step == 10
     by_file.save(make_checkpoint(15), index=0, force=True)  # this run's own future is set aside, as before
     assert names_in(directory) == [checkpoint_name(10), checkpoint_name(15), checkpoint_name(20) + STALE_SUFFIX]
@@ -198,7 +209,13 @@ def test_check_output_dir_free_rules(tmp_path):
 
 def _ddp_rerun(rank: int, out: str) -> str:
     args = TrainerArguments(
-        epochs=1, train_batch_size=32, backend="ddp", disable_tqdm=True, log_level="ERROR", output_dir=out, ddp_timeout=30,
+        epochs=1,
+        train_batch_size=32,
+        backend="ddp",
+        disable_tqdm=True,
+        log_level="ERROR",
+        output_dir=out,
+        ddp_timeout=30,
     )
     trainer = Trainer(ToyModule(n_train=128), args)
     try:
@@ -224,9 +241,7 @@ def test_ddp_rerun_is_refused_on_every_rank(tmp_path):
 @pytest.mark.parametrize("mode, best_step", [("min", 1), ("max", 2)])
 def test_nan_and_inf_rank_worst_in_both_modes(tmp_path, mode, best_step):
     scores = {1: 1.0, 2: 5.0, 3: float("nan"), 4: float("inf"), 5: float("-inf"), 6: float("nan"), 7: 3.0}
-    args = DefaultCheckpointerArguments(
-        save_dir=str(tmp_path), keep_last_n=1, keep_best_n=1, mode=mode, save_non_finite=True
-    )
+    args = DefaultCheckpointerArguments(save_dir=str(tmp_path), keep_last_n=1, keep_best_n=1, mode=mode, save_non_finite=True)
     checkpointer = DefaultCheckpointer(args)
     for step, score in scores.items():
         checkpointer.save(make_checkpoint(step, metrics={"val_loss": score}), index=step, force=True)
@@ -353,7 +368,9 @@ def test_pickle_zip_polyglot_is_refused(tmp_path, weights_only):
 
 def test_only_damaged_files_fall_back(tmp_path):
     path = _good_then(tmp_path, b"")
-    DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path / "x"))).save(make_checkpoint(4, value=7.25), index=0, force=True)
+    DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path / "x"))).save(
+        make_checkpoint(4, value=7.25), index=0, force=True
+    )
     data = bytearray((tmp_path / "x" / checkpoint_name(4)).read_bytes())
     weights = data.index(struct.pack("<4f", 7.25, 7.25, 7.25, 7.25))
     data[weights] ^= 0xFF  # a flipped bit in the weights: torch.load would not notice, the CRC does
@@ -479,7 +496,9 @@ def test_persistent_storage_errors_are_raised_never_resumed_around(tmp_path, fau
     assert counter.steps == 0
 
 
-@pytest.mark.parametrize("async_save, error_number", [(False, errno.ENOSPC), (True, errno.ENOSPC), (False, errno.EIO), (True, errno.EIO)])
+@pytest.mark.parametrize(
+    "async_save, error_number", [(False, errno.ENOSPC), (True, errno.ENOSPC), (False, errno.EIO), (True, errno.EIO)]
+)
 def test_failed_write_names_the_checkpoint_and_the_os_error(tmp_path, faulty, async_save, error_number):
     directory = f"faultyfs://full-{async_save}-{error_number}/ckpt"
     final = 2 * STEPS_PER_EPOCH

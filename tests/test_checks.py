@@ -40,7 +40,10 @@ class CountingSteps(ToyModule):
         ({"epochs": 2.5}, r"TrainerArguments.epochs=2.5 \(a float\) is invalid; allowed: an integer$"),
         ({"epochs": "3"}, r"TrainerArguments.epochs='3' \(a str\) is invalid; allowed: an integer$"),
         ({"train_batch_size": 16.0}, r"TrainerArguments.train_batch_size=16.0 \(a float\) is invalid; allowed: an integer"),
-        ({"max_train_steps_per_epoch": True}, r"max_train_steps_per_epoch=True \(a bool\) is invalid; allowed: None, an integer or a number"),
+        (
+            {"max_train_steps_per_epoch": True},
+            r"max_train_steps_per_epoch=True \(a bool\) is invalid; allowed: None, an integer or a number",
+        ),
         ({"use_gpu": "no"}, r"TrainerArguments.use_gpu='no' \(a str\) is invalid; allowed: None or a boolean \(True/False\)"),
         ({"clip_grads": 1}, r"TrainerArguments.clip_grads=1 \(a int\) is invalid; allowed: a boolean"),
         ({"max_steps": 10.0}, r"TrainerArguments.max_steps=10.0 \(a float\) is invalid; allowed: None or an integer"),
@@ -72,7 +75,10 @@ def test_optional_fields_accept_none_and_numbers_accept_ints(tmp_path):
     [
         ({"period": 1.0}, r"checkpointer.period=1.0 \(a float\) is invalid; allowed: an integer"),
         ({"async_save": "yes"}, r"checkpointer.async_save='yes' \(a str\) is invalid; allowed: a boolean"),
-        ({"save_every_n_steps": True}, r"checkpointer.save_every_n_steps=True \(a bool\) is invalid; allowed: None or an integer"),
+        (
+            {"save_every_n_steps": True},
+            r"checkpointer.save_every_n_steps=True \(a bool\) is invalid; allowed: None or an integer",
+        ),
         ({"metric": 3}, r"checkpointer.metric=3 \(a int\) is invalid; allowed: a string"),
     ],
 )
@@ -82,8 +88,19 @@ def test_checkpointer_arguments_refuse_wrong_types(fields, message):
 
 
 def test_command_line_strings_are_converted_before_the_check():
-    config = parse_config(argv=["--trainer.epochs", "3", "--trainer.use_gpu", "no", "--trainer.max_train_steps_per_epoch", "0.5",
-                                "--checkpointer.async_save", "--checkpointer.period", "2"])
+    config = parse_config(
+        argv=[
+            "--trainer.epochs",
+            "3",
+            "--trainer.use_gpu",
+            "no",
+            "--trainer.max_train_steps_per_epoch",
+            "0.5",
+            "--checkpointer.async_save",
+            "--checkpointer.period",
+            "2",
+        ]
+    )
     assert (config.trainer.epochs, config.trainer.use_gpu, config.trainer.max_train_steps_per_epoch) == (3, False, 0.5)
     assert (config.checkpointer.async_save, config.checkpointer.period) == (True, 2)
 
@@ -146,8 +163,11 @@ def test_train_loader_without_batches_is_refused_naming_length_and_batch_size(tm
 
     saving = DefaultCheckpointerArguments(period=1, save_at_end=True, save_dir=str(tmp_path / "ckpt"))
     module = DropsEverything(n_train=20)
-    with pytest.raises(ValueError, match=r"get_train_dataloader returned a loader with 0 batches \(len\(loader\) == 0\) from a "
-                                         r"dataset of 20 samples with drop_last=True, with batch size 32 per process"):
+    with pytest.raises(
+        ValueError,
+        match=r"get_train_dataloader returned a loader with 0 batches \(len\(loader\) == 0\) from a "
+        r"dataset of 20 samples with drop_last=True, with batch size 32 per process",
+    ):
         Trainer(module, arguments(tmp_path, train_batch_size=32, checkpointer_args=saving)).train()
     assert module.steps_run == 0 and not (tmp_path / "ckpt").exists()  # no empty checkpoint
 
@@ -187,8 +207,11 @@ def test_a_module_hook_with_a_wrong_signature_fails_at_setup(tmp_path):
             pass
 
     module = LateEpochHook()
-    with pytest.raises(TypeError, match=r"LateEpochHook.on_begin_train_epoch\(epoch\) does not fit the hook: it is called as "
-                                        r"on_begin_train_epoch\(global_step, epoch\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"LateEpochHook.on_begin_train_epoch\(epoch\) does not fit the hook: it is called as "
+        r"on_begin_train_epoch\(global_step, epoch\)",
+    ):
         Trainer(module, arguments(tmp_path)).train()
     assert module.steps_run == 0
 
@@ -199,8 +222,11 @@ def test_a_callback_hook_without_key_fails_at_setup(tmp_path):
             pass
 
     module = CountingSteps()
-    with pytest.raises(TypeError, match=r"NoKey.on_end_val_epoch\(global_step, \*outputs\) does not fit the hook: it is called as "
-                                        r"on_end_val_epoch\(global_step, \*outputs, key\) \(it has no 'key' parameter"):
+    with pytest.raises(
+        TypeError,
+        match=r"NoKey.on_end_val_epoch\(global_step, \*outputs\) does not fit the hook: it is called as "
+        r"on_end_val_epoch\(global_step, \*outputs, key\) \(it has no 'key' parameter",
+    ):
         Trainer(module, arguments(tmp_path), callbacks=[NoKey()]).train()
     assert module.steps_run == 0
 
@@ -256,7 +282,9 @@ class Optimizers(ToyModule):
 
 def saved_run(tmp_path, layout="one"):
     directory = str(tmp_path / "ckpt")
-    Trainer(Optimizers(layout), arguments(tmp_path, max_steps=2, checkpointer_args=DefaultCheckpointerArguments(save_dir=directory))).train()
+    Trainer(
+        Optimizers(layout), arguments(tmp_path, max_steps=2, checkpointer_args=DefaultCheckpointerArguments(save_dir=directory))
+    ).train()
     (path,) = [os.path.join(directory, name) for name in os.listdir(directory)]
     return directory, path
 
@@ -272,14 +300,19 @@ def saved_run(tmp_path, layout="one"):
 def test_resuming_with_other_optimizers_names_the_file_and_the_way_out(tmp_path, layout, problem):
     directory, path = saved_run(tmp_path)
     resume = DefaultCheckpointerArguments(save_dir=directory, resume="auto")
-    with pytest.raises(CheckpointMismatch, match=rf"checkpoint (file://)?{path} does not match this run's optimizers and schedulers: {problem}\. "
-                                                 r".*reset_optimizers_schedulers=True"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=rf"checkpoint (file://)?{path} does not match this run's optimizers and schedulers: {problem}\. "
+        r".*reset_optimizers_schedulers=True",
+    ):
         Trainer(Optimizers(layout), arguments(tmp_path, max_steps=4, checkpointer_args=resume)).train()
 
 
 def test_reset_optimizers_schedulers_is_the_way_out(tmp_path):
     directory, _ = saved_run(tmp_path)
-    weights_only = DefaultCheckpointerArguments(load_dir=directory, save_dir=str(tmp_path / "new"), reset_optimizers_schedulers=True)
+    weights_only = DefaultCheckpointerArguments(
+        load_dir=directory, save_dir=str(tmp_path / "new"), reset_optimizers_schedulers=True
+    )
     trainer = Trainer(Optimizers("two"), arguments(tmp_path / "new", max_steps=3, checkpointer_args=weights_only))
     trainer.train()
     assert trainer.global_steps_finished == 3  # fresh counters, the saved weights
@@ -297,7 +330,6 @@ def test_a_missing_key_in_the_trainer_state_names_the_key_and_the_file(tmp_path)
     torch.save(data, path)
     with pytest.raises(CheckpointMismatch, match=rf"checkpoint (file://)?{path}: its trainer state has no 'optimizers' entry"):
         Trainer(Optimizers("one"), arguments(tmp_path, max_steps=4, checkpointer_args=resume)).train()
-
 
 
 # -- load_weights -----------------------------------------------------------------------------

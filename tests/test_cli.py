@@ -19,9 +19,18 @@ def run(arguments, cwd):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--trainer.epoch", "3"], "examples/run.py: error: unknown config key 'trainer.epoch' (from command line); did you mean 'trainer.epochs'?"),
-        (["--trainer.epochs", "2.5"], "examples/run.py: error: trainer.epochs='2.5' (from command line): expected an integer, got '2.5'"),
-        (["--trainer.epochs", "0"], "examples/run.py: error: section 'trainer': TrainerArguments.epochs=0 is invalid; allowed: an integer >= 1"),
+        (
+            ["--trainer.epoch", "3"],
+            "examples/run.py: error: unknown config key 'trainer.epoch' (from command line); did you mean 'trainer.epochs'?",
+        ),
+        (
+            ["--trainer.epochs", "2.5"],
+            "examples/run.py: error: trainer.epochs='2.5' (from command line): expected an integer, got '2.5'",
+        ),
+        (
+            ["--trainer.epochs", "0"],
+            "examples/run.py: error: section 'trainer': TrainerArguments.epochs=0 is invalid; allowed: an integer >= 1",
+        ),
         (["--config", "missing.yaml"], "examples/run.py: error: config file 'missing.yaml' does not exist"),
     ],
 )
@@ -40,7 +49,10 @@ def test_parse_config_on_sys_argv_exits_and_with_explicit_argv_raises(tmp_path):
     (tmp_path / "train.py").write_text(script)
     bad = run(["train.py", "--trainer.max_steps", "many"], cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.splitlines()[-1] == "train.py: error: trainer.max_steps='many' (from command line): expected an integer, got 'many'"
+    assert (
+        bad.stderr.splitlines()[-1]
+        == "train.py: error: trainer.max_steps='many' (from command line): expected an integer, got 'many'"
+    )
     good = run(["train.py", "--trainer.epochs", "3"], cwd=tmp_path)
     assert good.returncode == 0 and good.stdout == "parsed\n"
     with pytest.raises(ConfigError, match="unknown config key 'trainer.max_step'"):

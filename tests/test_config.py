@@ -69,21 +69,35 @@ def test_values_are_converted_to_the_field_types(tmp_path):
     config = parse_config(
         {"model": ModelArguments},
         argv=[
-            "--trainer.max_time", "none",
-            "--trainer.max_train_steps_per_epoch", "0.5",
-            "--trainer.max_val_steps_per_epoch", "3",
+            "--trainer.max_time",
+            "none",
+            "--trainer.max_train_steps_per_epoch",
+            "0.5",
+            "--trainer.max_val_steps_per_epoch",
+            "3",
             "--trainer.tensorboard",  # a bare boolean flag is true
-            "--model.frozen", "yes",
-            "--model.layers", "4,5",
-            "--model.activation", "gelu",
-            "--model.pretrained", "weights.pt",
-            "--model.dropout", "1e-2",
+            "--model.frozen",
+            "yes",
+            "--model.layers",
+            "4,5",
+            "--model.activation",
+            "gelu",
+            "--model.pretrained",
+            "weights.pt",
+            "--model.dropout",
+            "1e-2",
         ],
     )
     trainer, model = config.trainer, config.model
     assert trainer.max_time is None and trainer.tensorboard is True
     assert trainer.max_train_steps_per_epoch == 0.5 and isinstance(trainer.max_val_steps_per_epoch, int)
-    assert (model.frozen, model.layers, model.activation, model.pretrained, model.dropout) == (True, [4, 5], "gelu", "weights.pt", 0.01)
+    assert (model.frozen, model.layers, model.activation, model.pretrained, model.dropout) == (
+        True,
+        [4, 5],
+        "gelu",
+        "weights.pt",
+        0.01,
+    )
 
 
 def test_yaml_floats_stay_floats_where_the_field_allows_both(tmp_path):
@@ -111,9 +125,15 @@ def test_convert_handles_tuples_and_rejects_what_does_not_fit():
     [
         (["--trainer.epochs", "three"], "trainer.epochs='three' (from command line): expected an integer, got 'three'"),
         (["--trainer.epochs", "2.5"], "expected an integer, got '2.5'"),
-        (["--trainer.clip_grads", "maybe"], "trainer.clip_grads='maybe' (from command line): expected a boolean (true/false), got 'maybe'"),
+        (
+            ["--trainer.clip_grads", "maybe"],
+            "trainer.clip_grads='maybe' (from command line): expected a boolean (true/false), got 'maybe'",
+        ),
         (["--trainer.max_grad_norm", "big"], "expected a number, got 'big'"),
-        (["--model.activation", "tanh"], "model.activation='tanh' (from command line): expected one of ['relu', 'gelu'], got 'tanh'"),
+        (
+            ["--model.activation", "tanh"],
+            "model.activation='tanh' (from command line): expected one of ['relu', 'gelu'], got 'tanh'",
+        ),
         (["--model.layers", "{a: 1}"], "expected a list, got '{a: 1}'"),
     ],
 )
@@ -125,7 +145,9 @@ def test_bad_values_in_yaml_name_the_file(tmp_path):
     path = write_yaml(tmp_path, {"trainer": {"epochs": None, "output_dir": ["a"]}})
     assert f"trainer.epochs=None (from {path}): expected an integer, got None" in config_error(["--config", path])
     path = write_yaml(tmp_path, {"trainer": {"output_dir": ["a"]}}, "list.yaml")
-    assert "trainer.output_dir=['a']" in config_error(["--config", path]) and "expected a string, got list" in config_error(["--config", path])
+    assert "trainer.output_dir=['a']" in config_error(["--config", path]) and "expected a string, got list" in config_error(
+        ["--config", path]
+    )
 
 
 def test_values_rejected_by_the_dataclass_name_the_section():
@@ -202,7 +224,9 @@ def test_help_lists_every_field_with_type_default_and_description(capsys):
 
 
 def test_saved_config_loads_back_to_the_same_sections(tmp_path):
-    config = parse_config({"model": ModelArguments}, argv=["--trainer.epochs=3", "--checkpointer.keep_last_n=2", "--model.layers=[7]"])
+    config = parse_config(
+        {"model": ModelArguments}, argv=["--trainer.epochs=3", "--checkpointer.keep_last_n=2", "--model.layers=[7]"]
+    )
     path = str(tmp_path / "out" / "config.yaml")
     config.save(path)
     again = parse_config({"model": ModelArguments}, argv=["--config", path])
@@ -214,8 +238,15 @@ def test_the_trainer_writes_the_resolved_config_with_user_sections(tmp_path):
     out = tmp_path / "run"
     config = parse_config(
         {"model": ModelArguments},
-        argv=["--trainer.epochs=1", f"--trainer.output_dir={out}", "--trainer.disable_tqdm", "--trainer.log_level=WARNING",
-              "--checkpointer.period=0", "--checkpointer.save_at_end=false", "--model.width=5"],
+        argv=[
+            "--trainer.epochs=1",
+            f"--trainer.output_dir={out}",
+            "--trainer.disable_tqdm",
+            "--trainer.log_level=WARNING",
+            "--checkpointer.period=0",
+            "--checkpointer.save_at_end=false",
+            "--model.width=5",
+        ],
     )
     assert resolved_config(config.trainer) is config
     Trainer(ToyModule(val_loaders=0), config.trainer).train()

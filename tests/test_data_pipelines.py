@@ -24,7 +24,12 @@ from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
 def make_args(out, **overrides) -> TrainerArguments:
     values = dict(
-        epochs=1, train_batch_size=8, seed=0, disable_tqdm=True, log_level="WARNING", output_dir=str(out),
+        epochs=1,
+        train_batch_size=8,
+        seed=0,
+        disable_tqdm=True,
+        log_level="WARNING",
+        output_dir=str(out),
         checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
     )
     values.update(overrides)
@@ -196,14 +201,18 @@ def framework_log():
 
 def test_a_loader_that_cannot_resume_mid_epoch_is_saved_only_at_epoch_ends(tmp_path, framework_log):
     saving = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), save_every_n_steps=3, period=1, resume="auto")
-    trainer = Trainer(OwnRandomSampler(scheduler=None), make_args(tmp_path, epochs=2, train_batch_size=32, checkpointer_args=saving))
+    trainer = Trainer(
+        OwnRandomSampler(scheduler=None), make_args(tmp_path, epochs=2, train_batch_size=32, checkpointer_args=saving)
+    )
     trainer.train()
     said = list(framework_log)
     assert sum("RandomSampler) has no fast_forward(n)" in line and "saved only at epoch ends" in line for line in said) == 1
     assert sum("no checkpoint at step" in line for line in said) == 1 and "no checkpoint at step 3 (mid-epoch)" in "".join(said)
     assert checkpoints_in(tmp_path / "ckpt") == ["checkpoint-000000008.pt", "checkpoint-000000016.pt"]
     # Every checkpoint it wrote resumes: a longer run continues from the last one.
-    longer = Trainer(OwnRandomSampler(scheduler=None), make_args(tmp_path, epochs=3, train_batch_size=32, checkpointer_args=saving))
+    longer = Trainer(
+        OwnRandomSampler(scheduler=None), make_args(tmp_path, epochs=3, train_batch_size=32, checkpointer_args=saving)
+    )
     longer.train()
     assert longer.global_steps_finished == 24
 
@@ -318,8 +327,15 @@ def test_an_ordered_sampler_keeps_each_ranks_share_in_order(tmp_path):
 
 def _coinciding_run(out, checkpointer):
     module = ToyModule(n_train=64, n_val=16, dropout=0.1, scheduler="step")
-    args = make_args(out, epochs=2, train_batch_size=8, val_every_n_steps=3, val_every_n_epochs=1, log_every_n_steps=2,
-                     checkpointer_args=checkpointer)
+    args = make_args(
+        out,
+        epochs=2,
+        train_batch_size=8,
+        val_every_n_steps=3,
+        val_every_n_epochs=1,
+        log_every_n_steps=2,
+        checkpointer_args=checkpointer,
+    )
     trainer = Trainer(module, args)
     history = trainer.train()
     return flat_parameters(module), history.records

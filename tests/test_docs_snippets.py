@@ -40,5 +40,7 @@ def test_block_runs_standalone(code, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(code)
     environment = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, f"the block failed:\n{code}\n--- stderr ---\n{result.stderr[-3000:]}"

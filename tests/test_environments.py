@@ -25,18 +25,39 @@ from framework.config import parse_config
 # What the real Slurm 22.05 sets (recorded on the test cluster): task 1 of `srun -n 2`,
 # and the batch script of `sbatch -n 2` (no SLURM_STEP_ID there).
 SRUN_TASK_1 = {
-    "SLURM_JOB_ID": "1234", "SLURM_JOBID": "1234", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
-    "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NPROCS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
-    "SLURM_JOB_NODELIST": "vm", "SLURM_STEP_NODELIST": "vm", "SLURM_STEP_NUM_TASKS": "2",
+    "SLURM_JOB_ID": "1234",
+    "SLURM_JOBID": "1234",
+    "SLURM_STEP_ID": "0",
+    "SLURM_STEPID": "0",
+    "SLURM_PROCID": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_NPROCS": "2",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "vm",
+    "SLURM_STEP_NODELIST": "vm",
+    "SLURM_STEP_NUM_TASKS": "2",
 }
 SBATCH_SHELL = {
-    "SLURM_JOB_ID": "1235", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-    "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "vm", "SLURM_GTIDS": "0",
+    "SLURM_JOB_ID": "1235",
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_JOB_NODELIST": "vm",
+    "SLURM_GTIDS": "0",
 }
 TORCHRUN_WORKER = {
-    "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "node0",
-    "MASTER_PORT": "29400", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "2",
-    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "none",
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "node0",
+    "MASTER_PORT": "29400",
+    "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "2",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "TORCHELASTIC_RUN_ID": "none",
 }
 
 
@@ -107,8 +128,13 @@ def test_srun_with_pmi2_is_slurm_and_mpirun_inside_an_allocation_is_mpi():
     pmi2 = dict(SRUN_TASK_1, PMI_RANK="1", PMI_SIZE="2", PMI_FD="13", PMI_JOBID="1234.0")
     assert detect_cluster_environment(pmi2).name == "slurm"
     # Open MPI's mpirun from the batch shell: 4 ranks whose SLURM_* are the batch shell's.
-    mpirun = dict(SBATCH_SHELL, OMPI_COMM_WORLD_RANK="2", OMPI_COMM_WORLD_SIZE="4", OMPI_COMM_WORLD_LOCAL_RANK="2",
-                  OMPI_COMM_WORLD_LOCAL_SIZE="4")
+    mpirun = dict(
+        SBATCH_SHELL,
+        OMPI_COMM_WORLD_RANK="2",
+        OMPI_COMM_WORLD_SIZE="4",
+        OMPI_COMM_WORLD_LOCAL_RANK="2",
+        OMPI_COMM_WORLD_LOCAL_SIZE="4",
+    )
     environment = detect_cluster_environment(mpirun)
     assert environment.name == "mpi" and (environment.global_rank, environment.world_size) == (2, 4)
     # ... and on its per-node daemon step (SLURM_PROCID is the node index there).
@@ -117,11 +143,19 @@ def test_srun_with_pmi2_is_slurm_and_mpirun_inside_an_allocation_is_mpi():
 
 
 def test_mpi_environments():
-    open_mpi = MPIEnvironment({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                               "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "n0"})
+    open_mpi = MPIEnvironment(
+        {
+            "OMPI_COMM_WORLD_RANK": "5",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            "MASTER_ADDR": "n0",
+        }
+    )
     assert (open_mpi.global_rank, open_mpi.local_rank, open_mpi.node_rank, open_mpi.master_address) == (5, 1, 1, "n0")
-    pmi = detect_cluster_environment({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
-                                      "PMI_JOBID": "77"})
+    pmi = detect_cluster_environment(
+        {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_JOBID": "77"}
+    )
     assert pmi.name == "mpi" and (pmi.global_rank, pmi.world_size, pmi.local_rank, pmi.master_address) == (1, 2, 1, "127.0.0.1")
     assert 10000 <= pmi.master_port < 30000
     spanning = MPIEnvironment({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
@@ -198,8 +232,12 @@ def test_registered_environment_is_detected_first_or_before_a_given_name():
 
 @pytest.mark.parametrize(
     "variables, launcher",
-    [(SRUN_TASK_1, "srun"), (TORCHRUN_WORKER, "torchrun"), ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "mpirun"),
-     ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "mpirun")],
+    [
+        (SRUN_TASK_1, "srun"),
+        (TORCHRUN_WORKER, "torchrun"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, "mpirun"),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2"}, "mpirun"),
+    ],
 )
 def test_several_processes_with_a_single_process_strategy_are_refused(variables, launcher):
     environment = detect_cluster_environment(variables)

@@ -30,7 +30,10 @@ def test_unknown_backend_lists_known_names():
     [
         ({"train_batch_size": 0}, r"train_batch_size=0 is invalid; allowed: an integer >= 1"),
         ({"epochs": -1}, r"epochs=-1 is invalid"),
-        ({"max_train_steps_per_epoch": 1.5}, r"max_train_steps_per_epoch=1.5 is invalid; allowed: None, an integer >= 1, or a fraction"),
+        (
+            {"max_train_steps_per_epoch": 1.5},
+            r"max_train_steps_per_epoch=1.5 is invalid; allowed: None, an integer >= 1, or a fraction",
+        ),
         ({"scheduler_interval": "batch"}, r"scheduler_interval='batch' is invalid; allowed: 'step' or 'epoch'"),
         ({"amp_dtype": "float8"}, r"amp_dtype='float8'"),
         ({"log_level": "LOUD"}, r"log_level='LOUD'"),
@@ -127,5 +130,7 @@ def test_mid_epoch_resume_needs_the_framework_sampler(tmp_path):
     Trainer(ToyModule(), args(save_every_n_steps=3)).train()  # the framework's sampler: saved mid-epoch (8 steps per epoch)
     resumed = Trainer(OwnSampler(), args(resume="auto"))  # the same checkpoint, read by a loader that cannot skip
     resumed.args.max_steps = 6
-    with pytest.raises(ValueError, match=r"needs the train loader's sampler to support fast_forward\(n\), and RandomSampler does not"):
+    with pytest.raises(
+        ValueError, match=r"needs the train loader's sampler to support fast_forward\(n\), and RandomSampler does not"
+    ):
         resumed.train()

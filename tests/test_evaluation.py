@@ -22,7 +22,9 @@ class Scored(ModuleInterface):
         with torch.no_grad():
             self.net.weight.copy_(torch.randn(3, 5, generator=generator))
             self.net.bias.copy_(torch.randn(3, generator=generator))
-        self.val_ds = TensorDataset(torch.randn(n_val, 5, generator=generator).to(dtype), torch.randint(0, 3, (n_val,), generator=generator))
+        self.val_ds = TensorDataset(
+            torch.randn(n_val, 5, generator=generator).to(dtype), torch.randint(0, 3, (n_val,), generator=generator)
+        )
         self.returns = returns
         self.seen = None
 
@@ -63,8 +65,16 @@ class Scored(ModuleInterface):
 
 def make_args(out, backend="sp", **overrides) -> TrainerArguments:
     values = dict(
-        epochs=1, train_batch_size=16, val_batch_size=8, seed=0, disable_tqdm=True, log_level="ERROR", output_dir=out,
-        backend=backend, ddp_timeout=30, checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
+        epochs=1,
+        train_batch_size=16,
+        val_batch_size=8,
+        seed=0,
+        disable_tqdm=True,
+        log_level="ERROR",
+        output_dir=out,
+        backend=backend,
+        ddp_timeout=30,
+        checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
     )
     values.update(overrides)
     return TrainerArguments(**values)

@@ -25,7 +25,9 @@ def test_digits_example_stopped_before_any_validation_still_reports_accuracy(tmp
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     try:
         run = runpy.run_path(os.path.join(ROOT, "examples", "run.py"))
-        accuracy = run["main"](["--trainer.output_dir", str(tmp_path), "--trainer.disable_tqdm", "true", "--trainer.max_steps", "3"])
+        accuracy = run["main"](
+            ["--trainer.output_dir", str(tmp_path), "--trainer.disable_tqdm", "true", "--trainer.max_steps", "3"]
+        )
     finally:
         sys.path.remove(os.path.join(ROOT, "examples"))
     assert 0.0 <= accuracy <= 1.0

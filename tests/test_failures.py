@@ -97,9 +97,7 @@ def test_peer_of_a_raising_rank_fails_instead_of_hanging_and_groups_are_destroye
 
 def test_ddp_timeout_bounds_the_wait_for_a_stalled_rank(tmp_path):
     # Rank 1 stalls for 8 s without dying; with ddp_timeout=2 rank 0 gives up before it wakes.
-    waiting, stalled = run_ranks(
-        failing_rank, timeout=60, tmp=str(tmp_path), mode="stall", stall_seconds=8.0, ddp_timeout=2.0
-    )
+    waiting, stalled = run_ranks(failing_rank, timeout=60, tmp=str(tmp_path), mode="stall", stall_seconds=8.0, ddp_timeout=2.0)
     error = waiting["error"]
     assert error is not None and "Timed out" in error and "ddp_timeout=2s" in error and "--trainer.ddp_timeout" in error, waiting
     assert waiting["ended_at"] < stalled["woke_at"]

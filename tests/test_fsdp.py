@@ -26,8 +26,17 @@ STOP_AT = 3  # mid-epoch: resume must land inside epoch 1
 def arguments(backend: str, out: str, **overrides) -> TrainerArguments:
     """Global batch 16, micro-batch 4: accumulation 2 on 2 ranks (4 on 1); clipping that bites."""
     values = dict(
-        epochs=EPOCHS, train_batch_size=16, gpu_batch_size_limit=4, backend=backend, clip_grads=True, max_grad_norm=0.2,
-        disable_tqdm=True, output_dir=out, log_every_n_steps=2, sanity_val_steps=0, track_grad_norm=True,
+        epochs=EPOCHS,
+        train_batch_size=16,
+        gpu_batch_size_limit=4,
+        backend=backend,
+        clip_grads=True,
+        max_grad_norm=0.2,
+        disable_tqdm=True,
+        output_dir=out,
+        log_every_n_steps=2,
+        sanity_val_steps=0,
+        track_grad_norm=True,
     )
     values.update(overrides)
     args = TrainerArguments(**values)
@@ -69,8 +78,14 @@ def two_rank_scenarios(rank: int, out: str, one_rank_dir: str) -> dict:
     stopped = Trainer(TinyTransformer(), stopped_args)
     stopped.train()  # background saves at steps 1, 2, 3 (the last one kept twice), written by both ranks
 
-    grown = Trainer(TinyTransformer(), arguments("fsdp", one_rank_dir, checkpointer_args=DefaultCheckpointerArguments(
-        save_dir=os.path.join(one_rank_dir, "checkpoints"), resume="auto")))
+    grown = Trainer(
+        TinyTransformer(),
+        arguments(
+            "fsdp",
+            one_rank_dir,
+            checkpointer_args=DefaultCheckpointerArguments(save_dir=os.path.join(one_rank_dir, "checkpoints"), resume="auto"),
+        ),
+    )
     grown.args.checkpointer_args.save_dir = os.path.join(one_rank_dir, "checkpoints")
     grown.train()  # resumes the 1-rank checkpoint on 2 ranks
     results["grown"] = full_weights(grown)

@@ -31,8 +31,14 @@ def images(samples: int = SAMPLES) -> TensorDataset:
 
 def gan_args(tmp_path, **overrides: Any) -> TrainerArguments:
     values: Dict[str, Any] = dict(
-        epochs=EPOCHS, train_batch_size=BATCH, seed=SEED, disable_tqdm=True, log_level="WARNING", output_dir=str(tmp_path),
-        find_unused_parameters=True, log_every_n_steps=4,
+        epochs=EPOCHS,
+        train_batch_size=BATCH,
+        seed=SEED,
+        disable_tqdm=True,
+        log_level="WARNING",
+        output_dir=str(tmp_path),
+        find_unused_parameters=True,
+        log_every_n_steps=4,
     )
     values.update(overrides)
     return TrainerArguments(**values)
@@ -79,8 +85,11 @@ def plain_gan_loop(world_size: int = 1) -> torch.Tensor:
             opt_g.zero_grad()
             opt_d.zero_grad()
             d_losses = [
-                (F.binary_cross_entropy_with_logits(discriminator(r), ones)
-                 + F.binary_cross_entropy_with_logits(discriminator(fake.detach()), zeros)) / 2
+                (
+                    F.binary_cross_entropy_with_logits(discriminator(r), ones)
+                    + F.binary_cross_entropy_with_logits(discriminator(fake.detach()), zeros)
+                )
+                / 2
                 for r in reals
             ]
             d_loss = d_losses[0] if world_size == 1 else sum(d_losses) / world_size
@@ -148,7 +157,9 @@ def test_optimizer_steps_go_through_the_grad_scaler(tmp_path):
 
 def test_resume_in_manual_mode_is_exact(tmp_path):
     reference = train_gan(tmp_path / "reference")
-    checkpoints = DefaultCheckpointerArguments(save_dir=str(tmp_path / "run" / "checkpoints"), resume="auto", save_every_n_steps=3)
+    checkpoints = DefaultCheckpointerArguments(
+        save_dir=str(tmp_path / "run" / "checkpoints"), resume="auto", save_every_n_steps=3
+    )
     stopped = train_gan(tmp_path / "run", max_steps=11, checkpointer_args=checkpoints)  # mid-epoch 2
     assert stopped.global_steps_finished == 11
     resumed = train_gan(tmp_path / "run", checkpointer_args=checkpoints)
@@ -197,7 +208,9 @@ class ChunkedRNN(ModuleInterface):
 
 def test_per_chunk_tbptt_matches_a_plain_loop(tmp_path):
     seed_everything(0)
-    trainer = Trainer(ChunkedRNN(), TrainerArguments(epochs=2, train_batch_size=8, seed=0, disable_tqdm=True, output_dir=str(tmp_path)))
+    trainer = Trainer(
+        ChunkedRNN(), TrainerArguments(epochs=2, train_batch_size=8, seed=0, disable_tqdm=True, output_dir=str(tmp_path))
+    )
     trainer.train()
 
     seed_everything(0)

@@ -19,7 +19,12 @@ from framework.metrics import MetricCollector, reduce_metrics
 
 def make_args(tmp_path, **overrides) -> TrainerArguments:
     values = dict(
-        epochs=1, train_batch_size=32, seed=0, disable_tqdm=True, log_level="WARNING", output_dir=str(tmp_path / "run"),
+        epochs=1,
+        train_batch_size=32,
+        seed=0,
+        disable_tqdm=True,
+        log_level="WARNING",
+        output_dir=str(tmp_path / "run"),
         checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
     )
     values.update(overrides)
@@ -63,9 +68,18 @@ def test_collector_reduces_over_the_epoch_and_keeps_the_latest_step_value():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda c: c.log("x", 1.0, reduce="median"), "log('x', reduce='median'): allowed reductions are ('mean', 'sum', 'max', 'min')"),
-        (lambda c: c.log("x", 1.0, on_step=False, on_epoch=False), "log('x', on_step=False, on_epoch=False) would record nothing"),
-        (lambda c: (c.log("x", 1.0), c.log("x", 1.0, reduce="sum")), "log('x', reduce='sum'): this metric was logged with reduce='mean'"),
+        (
+            lambda c: c.log("x", 1.0, reduce="median"),
+            "log('x', reduce='median'): allowed reductions are ('mean', 'sum', 'max', 'min')",
+        ),
+        (
+            lambda c: c.log("x", 1.0, on_step=False, on_epoch=False),
+            "log('x', on_step=False, on_epoch=False) would record nothing",
+        ),
+        (
+            lambda c: (c.log("x", 1.0), c.log("x", 1.0, reduce="sum")),
+            "log('x', reduce='sum'): this metric was logged with reduce='mean'",
+        ),
         (lambda c: c.log("x", "high"), "expected a tensor or a number, got str"),
         (lambda c: c.log("", 1.0), "the name must be a non-empty string"),
     ],
@@ -137,7 +151,9 @@ def test_logged_values_reach_history_at_log_points_and_epoch_end(tmp_path, monke
     assert_series(history.steps("train_acc"), [(s, by_step[s][0]) for s in (3, 6, 9, 12, 15)])
     # on_epoch: mean / sum / max over each epoch's steps, recorded at the epoch's last step.
     epochs = [module.logged[:8], module.logged[8:]]
-    assert_series(history.steps("train_acc_epoch"), [(8, sum(a for _, a, _ in epochs[0]) / 8), (16, sum(a for _, a, _ in epochs[1]) / 8)])
+    assert_series(
+        history.steps("train_acc_epoch"), [(8, sum(a for _, a, _ in epochs[0]) / 8), (16, sum(a for _, a, _ in epochs[1]) / 8)]
+    )
     assert history.steps("samples") == [(8, 256.0), (16, 256.0)]
     assert_series(history.steps("max_loss"), [(8, max(l for _, _, l in epochs[0])), (16, max(l for _, _, l in epochs[1]))])
     assert history.steps("epoch_hook") == [(8, 7.0), (16, 7.0)]
@@ -165,11 +181,16 @@ def test_tensorboard_writer_writes_every_scalar_once_even_after_a_resume(tmp_pat
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     checkpoints = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), period=1)
-    first = Trainer(ToyModule(), make_args(tmp_path, epochs=2, log_every_n_steps=4, tensorboard=True, checkpointer_args=checkpoints))
+    first = Trainer(
+        ToyModule(), make_args(tmp_path, epochs=2, log_every_n_steps=4, tensorboard=True, checkpointer_args=checkpoints)
+    )
     first.train()
     # Resume from the epoch-1 checkpoint (step 8): steps 9..16 run again, and are logged again.
     resume = DefaultCheckpointerArguments(
-        save_dir=str(tmp_path / "ckpt"), load_filename=str(tmp_path / "ckpt" / "checkpoint-000000008.pt"), period=0, save_at_end=False
+        save_dir=str(tmp_path / "ckpt"),
+        load_filename=str(tmp_path / "ckpt" / "checkpoint-000000008.pt"),
+        period=0,
+        save_at_end=False,
     )
     second = Trainer(ToyModule(), make_args(tmp_path, epochs=2, log_every_n_steps=4, tensorboard=True, checkpointer_args=resume))
     history = second.train()
@@ -200,8 +221,15 @@ class RankValues(ToyModule):
 
 def _two_rank_metrics(rank: int, out: str):
     args = TrainerArguments(
-        epochs=1, train_batch_size=32, backend="ddp", seed=0, disable_tqdm=True, log_level="ERROR", output_dir=out,
-        log_every_n_steps=2, checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
+        epochs=1,
+        train_batch_size=32,
+        backend="ddp",
+        seed=0,
+        disable_tqdm=True,
+        log_level="ERROR",
+        output_dir=out,
+        log_every_n_steps=2,
+        checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
     )
     trainer = Trainer(RankValues(n_val=64), args)
     history = trainer.train()

@@ -73,7 +73,9 @@ def plugin_dir(tmp_path, monkeypatch):
 
 
 def _args(**overrides) -> TrainerArguments:
-    values = dict(epochs=1, train_batch_size=64, disable_tqdm=True, log_level="WARNING", output_dir=tempfile.mkdtemp(prefix="plugins-"))
+    values = dict(
+        epochs=1, train_batch_size=64, disable_tqdm=True, log_level="WARNING", output_dir=tempfile.mkdtemp(prefix="plugins-")
+    )
     values.update(overrides)
     values.setdefault("checkpointer_args", {"period": 0, "save_at_end": False})
     return TrainerArguments(**values)

@@ -30,10 +30,10 @@ ACCUMULATION = BATCH // MICRO
 
 
 def run_script(out: os.PathLike, *arguments: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(
-        [sys.executable, SCRIPT, str(out), *arguments], capture_output=True, text=True, timeout=180, env=env
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
     )
+    return subprocess.run([sys.executable, SCRIPT, str(out), *arguments], capture_output=True, text=True, timeout=180, env=env)
 
 
 def finish(out: os.PathLike, *arguments: str) -> subprocess.CompletedProcess:
@@ -45,7 +45,9 @@ def finish(out: os.PathLike, *arguments: str) -> subprocess.CompletedProcess:
 
 def expect_killed(out: os.PathLike, marker: str, *arguments: str) -> subprocess.CompletedProcess:
     process = run_script(out, *arguments)
-    assert process.returncode == -signal.SIGKILL, f"expected SIGKILL, got {process.returncode}:\n{process.stdout}\n{process.stderr}"
+    assert process.returncode == -signal.SIGKILL, (
+        f"expected SIGKILL, got {process.returncode}:\n{process.stdout}\n{process.stderr}"
+    )
     assert marker in process.stdout, process.stdout
     return process
 
@@ -181,7 +183,9 @@ def test_sigterm_saves_at_the_step_boundary_exits_75_and_resumes_bitwise(tmp_pat
 
 
 def _start(out: os.PathLike, *arguments: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
+    )
     return subprocess.Popen(
         [sys.executable, SCRIPT, str(out), *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )

@@ -29,12 +29,24 @@ def torchrun(out: os.PathLike, *arguments: str, max_restarts: int = 0, expect_re
         PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
     )
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-        SCRIPT, str(out), "--backend", "ddp", "--async-save", *arguments,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.1",
+        SCRIPT,
+        str(out),
+        "--backend",
+        "ddp",
+        "--async-save",
+        *arguments,
     ]
     process = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert process.returncode == expect_returncode, f"torchrun ended with {process.returncode} ({process.returncode}):\n{process.stdout[-4000:]}\n{process.stderr[-6000:]}"
+    assert process.returncode == expect_returncode, (
+        f"torchrun ended with {process.returncode} ({process.returncode}):\n{process.stdout[-4000:]}\n{process.stderr[-6000:]}"
+    )
     return process
 
 

@@ -15,8 +15,16 @@ from slurm_cluster import slurm_cluster  # noqa: F401 (the fixture)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "run.py")
 # A short run of the README's example: 6 steps of 64 samples, a checkpoint at the end.
-SHORT = ["--trainer.epochs", "1", "--trainer.max_train_steps_per_epoch", "6", "--trainer.log_every_n_steps", "2",
-         "--trainer.disable_tqdm", "true"]
+SHORT = [
+    "--trainer.epochs",
+    "1",
+    "--trainer.max_train_steps_per_epoch",
+    "6",
+    "--trainer.log_every_n_steps",
+    "2",
+    "--trainer.disable_tqdm",
+    "true",
+]
 
 
 def read_metrics(out):
@@ -36,10 +44,22 @@ def final_weights(out):
 @pytest.fixture(scope="module")
 def torchrun_reference(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("torchrun"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               EXAMPLE, "--backend", "ddp", "--trainer.output_dir", out, *SHORT]
-    result = subprocess.run(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                            text=True, timeout=90)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        EXAMPLE,
+        "--backend",
+        "ddp",
+        "--trainer.output_dir",
+        out,
+        *SHORT,
+    ]
+    result = subprocess.run(
+        command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=90
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return out
 
@@ -173,7 +193,9 @@ def test_usr1_saves_requeues_and_the_requeued_job_ends_like_an_uninterrupted_run
     out, log = str(tmp_path / "preempted"), tmp_path / "job.log"
     script = tmp_path / "preemptible.sbatch"
     script.write_text(PREEMPTIBLE_JOB.format(python=sys.executable, script=RESUME_SCRIPT, out=out))
-    submitted = slurm_cluster.run(["sbatch", "--parsable", f"--output={log}", str(script)], cwd=ROOT, env={"OMP_NUM_THREADS": "1"})
+    submitted = slurm_cluster.run(
+        ["sbatch", "--parsable", f"--output={log}", str(script)], cwd=ROOT, env={"OMP_NUM_THREADS": "1"}
+    )
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     try:

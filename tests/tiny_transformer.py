@@ -13,7 +13,9 @@ class Block(torch.nn.Module):
     def __init__(self, width: int, heads: int = 2) -> None:
         super().__init__()
         self.norm1 = torch.nn.LayerNorm(width)
-        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)  # a key bias gets only rounding-noise gradients (softmax ignores it), which Adam would amplify
+        self.qkv = torch.nn.Linear(
+            width, 3 * width, bias=False
+        )  # a key bias gets only rounding-noise gradients (softmax ignores it), which Adam would amplify
         self.proj = torch.nn.Linear(width, width)
         self.norm2 = torch.nn.LayerNorm(width)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width))
@@ -35,7 +37,16 @@ class TinyTransformer(ModuleInterface):
         lr: AdamW learning rate; a per-step linear-decay scheduler runs over the whole run.
     """
 
-    def __init__(self, samples: int = 64, length: int = 8, vocab: int = 32, width: int = 16, depth: int = 2, lr: float = 1e-2, seed: int = 0) -> None:
+    def __init__(
+        self,
+        samples: int = 64,
+        length: int = 8,
+        vocab: int = 32,
+        width: int = 16,
+        depth: int = 2,
+        lr: float = 1e-2,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.embed = torch.nn.Embedding(vocab, width)

@@ -59,7 +59,9 @@ class ToyModule(ModuleInterface):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if self.scheduler_kind == "onecycle":
             schedulers = [
-                torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.lr, total_steps=estimated_global_steps_per_epoch * epochs)
+                torch.optim.lr_scheduler.OneCycleLR(
+                    optimizer, max_lr=self.lr, total_steps=estimated_global_steps_per_epoch * epochs
+                )
             ]
         elif self.scheduler_kind == "step":
             schedulers = [torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)]

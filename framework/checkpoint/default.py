@@ -96,7 +96,9 @@ class StagingBuffers:
             torch.cuda.synchronize()
         return result
 
-    def _copy(self, obj: Any, path: Tuple[Any, ...], used: Dict[Tuple[Any, ...], torch.Tensor], memo: Dict[int, torch.Tensor]) -> Any:
+    def _copy(
+        self, obj: Any, path: Tuple[Any, ...], used: Dict[Tuple[Any, ...], torch.Tensor], memo: Dict[int, torch.Tensor]
+    ) -> Any:
         if isinstance(obj, torch.Tensor):
             if id(obj) in memo:
                 return memo[id(obj)]
@@ -105,7 +107,12 @@ class StagingBuffers:
                 copied = source.to("cpu", copy=True)
             else:
                 copied = self._buffers.get(path)
-                if copied is None or copied.shape != source.shape or copied.dtype != source.dtype or copied.stride() != source.stride():
+                if (
+                    copied is None
+                    or copied.shape != source.shape
+                    or copied.dtype != source.dtype
+                    or copied.stride() != source.stride()
+                ):
                     pin = source.is_cuda and torch.cuda.is_available()
                     copied = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, pin_memory=pin)
                 copied.copy_(source, non_blocking=source.is_cuda)
@@ -213,7 +220,9 @@ class DefaultCheckpointer(AbstractCheckpointer):
             taken = [name for name in names if _RUN_FILE.match(name)]
             if taken:
                 shown = ", ".join(taken[:4]) + (f", ... ({len(taken)} files)" if len(taken) > 4 else "")
-                where = "output_dir (--trainer.output_dir)" if self.args.save_dir is None else "save_dir (--checkpointer.save_dir)"
+                where = (
+                    "output_dir (--trainer.output_dir)" if self.args.save_dir is None else "save_dir (--checkpointer.save_dir)"
+                )
                 raise RunDirectoryInUse(
                     f"save_dir {self.save_dir!r} already holds checkpoints of another run ({shown}) and this run does "
                     f"not resume it, so it would overwrite them; {ways_on(where)}"
@@ -246,7 +255,9 @@ class DefaultCheckpointer(AbstractCheckpointer):
         if problem is not None:
             logger.warning(
                 "checkpoint at step %d not written: %s; the checkpoints before it are kept as they are "
-                "(checkpointer_args.save_non_finite=True writes such checkpoints)", checkpoint.global_step, problem,
+                "(checkpointer_args.save_non_finite=True writes such checkpoints)",
+                checkpoint.global_step,
+                problem,
             )
             return None
         with self._lock:
@@ -324,7 +335,10 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 logger.warning(
                     "checkpoint %s is newer (step %d) than the one this run just wrote (step %d): it was written before "
                     "this run was resumed from an older checkpoint; renamed to %s so it is never resumed from",
-                    self._fs.unstrip_protocol(path), step, written_step, path.rsplit("/", 1)[-1] + STALE_SUFFIX,
+                    self._fs.unstrip_protocol(path),
+                    step,
+                    written_step,
+                    path.rsplit("/", 1)[-1] + STALE_SUFFIX,
                 )
                 self._fs.mv(path, path + STALE_SUFFIX)
         paths = [path for step, path in entries if step <= written_step]

@@ -179,7 +179,14 @@ class ShardedCheckpointer(DefaultCheckpointer):
         return self._url(name)
 
     def _write(
-        self, name: str, partial: str, global_step: int, tensors: Dict[str, torch.Tensor], rest: Dict[str, Any], group: Any, agree: bool
+        self,
+        name: str,
+        partial: str,
+        global_step: int,
+        tensors: Dict[str, torch.Tensor],
+        rest: Dict[str, Any],
+        group: Any,
+        agree: bool,
     ) -> None:
         with _single_process_quietly():
             dcp.save(tensors, storage_writer=_writer(self._fs, partial), process_group=group, no_dist=not _distributed())
@@ -249,7 +256,10 @@ class ShardedCheckpointer(DefaultCheckpointer):
                 logger.warning(
                     "checkpoint %s is newer (step %d) than the one this run just wrote (step %d): it comes from a run "
                     "that was resumed from an older checkpoint; renamed to %s so it is never resumed from",
-                    self._fs.unstrip_protocol(path), step, written_step, path.rsplit("/", 1)[-1] + STALE_SUFFIX,
+                    self._fs.unstrip_protocol(path),
+                    step,
+                    written_step,
+                    path.rsplit("/", 1)[-1] + STALE_SUFFIX,
                 )
                 self._fs.mv(path, path + STALE_SUFFIX, recursive=True)
         paths = [path for step, path in entries if step <= written_step]
@@ -281,7 +291,9 @@ class ShardedCheckpointer(DefaultCheckpointer):
         """
         return self._load(current, optimizers)
 
-    def _load(self, current: Optional[Callable[[], Checkpoint]], optimizers: Sequence[torch.optim.Optimizer]) -> Optional[Checkpoint]:
+    def _load(
+        self, current: Optional[Callable[[], Checkpoint]], optimizers: Sequence[torch.optim.Optimizer]
+    ) -> Optional[Checkpoint]:
         self.loaded_from, self.resumed_own_run = None, False
         sources: List[Tuple[str, bool]] = []  # (location, is a directory of checkpoints)
         if self.args.resume == "auto":
@@ -291,7 +303,9 @@ class ShardedCheckpointer(DefaultCheckpointer):
         elif self.args.load_dir:
             sources.append((self.args.load_dir, True))
         for source, is_directory in sources:
-            checkpoint = self._load_latest(source, current, optimizers) if is_directory else self._read(source, current, optimizers)
+            checkpoint = (
+                self._load_latest(source, current, optimizers) if is_directory else self._read(source, current, optimizers)
+            )
             if checkpoint is None:
                 continue
             if not is_directory:
@@ -335,7 +349,9 @@ class ShardedCheckpointer(DefaultCheckpointer):
         """Read the sharded checkpoint directory at ``url`` with full CPU tensors."""
         return self._read(url, None, ())
 
-    def _read(self, url: str, current: Optional[Callable[[], Checkpoint]], optimizers: Sequence[torch.optim.Optimizer]) -> Checkpoint:
+    def _read(
+        self, url: str, current: Optional[Callable[[], Checkpoint]], optimizers: Sequence[torch.optim.Optimizer]
+    ) -> Checkpoint:
         fs, path = storage.resolve(url)
         if not fs.isdir(path):
             raise FileNotFoundError(f"sharded checkpoint directory {url!r} does not exist")
@@ -355,7 +371,9 @@ class ShardedCheckpointer(DefaultCheckpointer):
             with _single_process_quietly():
                 dcp.load(targets, storage_reader=reader, no_dist=True)
         else:
-            model_only = self.args.reset_optimizers_schedulers and not storage.same_location(url.rstrip("/").rsplit("/", 1)[0], self.save_dir)
+            model_only = self.args.reset_optimizers_schedulers and not storage.same_location(
+                url.rstrip("/").rsplit("/", 1)[0], self.save_dir
+            )
             if not model_only and any(key.startswith("trainer/optimizers/") for key in paths):
                 initialize_optimizer_state(optimizers)
             available, _ = split_sharded(current().to_dict())
@@ -474,4 +492,3 @@ def _is_local(fs: Any) -> bool:
 
 def _basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
-

@@ -72,7 +72,9 @@ def _read_module_state(fs: Any, path: str, weights_only: bool) -> Dict[str, Any]
 
 
 def _from_directory(directory: str, step: Step, metric: str, mode: str, weights_only: bool) -> "tuple[str, Dict[str, Any]]":
-    checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory, load_dir=directory, weights_only=weights_only))
+    checkpointer = DefaultCheckpointer(
+        DefaultCheckpointerArguments(save_dir=directory, load_dir=directory, weights_only=weights_only)
+    )
     if isinstance(step, int):
         url = storage.join(directory, checkpoint_name(step))
         return url, checkpointer.read(url).module_state
@@ -101,7 +103,9 @@ def _from_directory(directory: str, step: Step, metric: str, mode: str, weights_
 def _scores_by_step(latest: Checkpoint, metric: str) -> Dict[int, float]:
     """``{step: value of metric at that step}`` from the run's history in its newest checkpoint."""
     history = latest.trainer_state.get("history", {}) if isinstance(latest.trainer_state, dict) else {}
-    scores = {int(record["step"]): float(record["value"]) for record in history.get("records", []) if record.get("name") == metric}
+    scores = {
+        int(record["step"]): float(record["value"]) for record in history.get("records", []) if record.get("name") == metric
+    }
     if metric in latest.metrics:
         scores[latest.global_step] = float(latest.metrics[metric])
     return scores

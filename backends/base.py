@@ -9,7 +9,6 @@ from backends.batch import move_to_device
 from backends.environments import ClusterEnvironment, select_cluster_environment
 from backends.precision import FullPrecision, Precision
 from backends.strategies import SingleProcess, Strategy
-from backends.units import CompileTimer
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,6 @@ class TrainerBackend:
             )
         self.strategy = strategy if strategy is not None else SingleProcess()
         self.precision = precision if precision is not None else FullPrecision()
-        self.compile_timer = CompileTimer(enabled=False)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={type(self.strategy).__name__}, precision={type(self.precision).__name__})"
@@ -98,7 +96,6 @@ class TrainerBackend:
             cluster_environment=select_cluster_environment(cluster),
             compile=compile,
         )
-        self.compile_timer = CompileTimer(enabled=compile)
         try:
             self.precision.setup(self.device, amp_dtype)
             self.strategy.configure_precision(self.precision.compute_dtype, self.precision.skips_nonfinite_steps)
@@ -141,7 +138,7 @@ class TrainerBackend:
         On a CPU device the batch is returned as it is: loaders yield CPU tensors, and
         walking the batch would cost more than a small model's step.
         """
-        if self.device.type == "cpu":
+        if self.strategy.device.type == "cpu":
             return batch
         return move_to_device(batch, self.device)
 
@@ -152,10 +149,17 @@ class TrainerBackend:
 
     def forward(self, runner: torch.nn.Module, *args: Any) -> Any:
         """Call ``runner(*args)`` inside the precision's autocast."""
-        if runner.training:
-            self.compile_timer.start()
         with self.precision.forward_context():
             return runner(*args)
+
+    def step_function(self, wrapped: torch.nn.Module, runner: torch.nn.Module) -> Callable[..., Any]:
+        """The call the training loop makes for every step, decided once: ``wrapped(*args)``
+        inside the precision's autocast, or, when there is neither a wrapper (DDP) nor an
+        autocast (fp32 on one process), the runner's ``forward`` itself."""
+        plain_forward = type(self.precision).forward_context is Precision.forward_context
+        if wrapped is runner and plain_forward:
+            return runner.forward
+        return lambda *args: self.forward(wrapped, *args)
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """Context for one micro-batch; skips the gradient all-reduce when asked."""
@@ -164,7 +168,6 @@ class TrainerBackend:
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate ``loss`` (scaled, under fp16)."""
         self.precision.backward(loss)
-        self.compile_timer.stop()
 
     def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make gradients true-sized before clipping."""

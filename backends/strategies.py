@@ -24,6 +24,8 @@ from backends.units import compile_units, module_units
 
 logger = logging.getLogger(__name__)
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: nothing to enter or leave
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -137,7 +139,7 @@ class Strategy:
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """Context for one micro-batch: inside it, gradients accumulate without communication."""
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """``tensor`` reduced over ranks (``mean``, ``sum``, ``max`` or ``min``); a new tensor."""
@@ -322,7 +324,7 @@ class DDP(Strategy):
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         if skip_gradient_sync and isinstance(wrapped, DistributedDataParallel):
             return wrapped.no_sync()
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         result = tensor.clone()

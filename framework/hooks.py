@@ -98,7 +98,8 @@ class HookDispatcher:
 
     def call(self, name: str, *arguments: Any, **keywords: Any) -> None:
         """Call every implementation of hook ``name``."""
-        for hook in self.bound(name):
+        hooks = self._bound.get(name)
+        for hook in self.bound(name) if hooks is None else hooks:
             hook(*arguments, **keywords)
 
 

@@ -77,7 +77,12 @@ class LossTracker:
     def _fold(self) -> None:
         if not self._unsummed:
             return
-        losses = torch.stack([loss.to(self._dtype).reshape(()) for loss in self._unsummed])
+        try:
+            losses = torch.stack(self._unsummed).to(self._dtype)  # 0-d losses of one dtype: one op
+        except RuntimeError:  # mixed shapes or dtypes
+            losses = torch.stack([loss.to(self._dtype).reshape(()) for loss in self._unsummed])
+        if losses.dim() != 1:
+            losses = losses.reshape(len(self._unsummed), -1).mean(1)
         self._epoch_sum += losses.sum()
         steps = torch.tensor(self._unsummed_steps, device=self.device)
         first_here = torch.where(torch.isfinite(losses), _NO_STEP, steps).min()

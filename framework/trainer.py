@@ -134,6 +134,10 @@ class Trainer:
         self._preempted = False
         self._start_time = 0.0
         self._first_loss_checked = False
+        self._device = self.backend.device
+        self._distributed = self.backend.world_size > 1
+        self._forward: Any = None  # the per-step call, chosen by the backend once the module is wrapped
+        self._compile_started: Optional[float] = None
         self.evaluator = Evaluator(module, self._runner, self.backend, self.hooks, args, self._record)
         module.__dict__["_metric_logger"] = self._metrics
         module.__dict__["_trainer"] = self
@@ -225,7 +229,7 @@ class Trainer:
 
     def _train_epoch(self) -> None:
         """One epoch: for each optimizer step, its micro-batches, the step, then what is due."""
-        args, progress = self.args, self.progress
+        args, progress, checkpointing = self.args, self.progress, self.checkpointing_enabled
         cycles = accumulation_cycles(
             self._micro_batches_this_epoch(), self.gradient_accumulation, progress.batches_finished_in_epoch
         )
@@ -233,6 +237,8 @@ class Trainer:
         self._stream_ended = False
         for cycle_length in cycles:
             micro_batches = self._train_step(batches, cycle_length)
+            if self._compile_started is not None:
+                self._report_compile_time()
             if not micro_batches:
                 self._stream_ended = True
                 break  # a stream without a length ran out
@@ -243,11 +249,15 @@ class Trainer:
                 self._log_train_metrics()
             if args.val_every_n_steps and step % args.val_every_n_steps == 0:
                 self._evaluate(Stage.VAL)
-            if self.checkpointing_enabled and self.checkpointer.is_step_save_due(step):
+            if checkpointing and self.checkpointer.is_step_save_due(step):
                 self.save_checkpoint()
             if self._should_stop_after_step(step):
                 break
         self._end_epoch()
+
+    def _report_compile_time(self) -> None:
+        seconds, self._compile_started = time.perf_counter() - self._compile_started, None
+        logger.info("torch.compile: first training step (forward + backward, compilation included) took %.1f s", seconds)
 
     def _train_step(self, batches: Iterator[Any], cycle_length: int) -> int:
         """Forward and backward of up to ``cycle_length`` micro-batches, then one optimizer
@@ -256,10 +266,8 @@ class Trainer:
             batch = self._next_batch(batches)
             if batch is None:
                 return 0
-            step = self.global_steps_finished
-            self._after_micro_batch(
-                as_outputs(self.backend.forward(self._wrapped, Stage.TRAIN, step, batch, self.device), "train_step")
-            )
+            step = self.progress.global_steps_finished
+            self._after_micro_batch(as_outputs(self._forward(Stage.TRAIN, step, batch, self._device), "train_step"))
             return 1
         if self._closure_optimizers:
             batch = self._next_batch(batches)
@@ -293,11 +301,12 @@ class Trainer:
     def _forward_backward(self, batch: Any, cycle_length: int, sync: bool) -> Tuple[Any, ...]:
         """Forward and backward of one micro-batch; with ``tbptt_steps``, chunk by chunk along
         dim 1, carrying the (detached) hidden state and summing the chunks' gradients."""
-        step, device, wrapped = self.global_steps_finished, self.device, self._wrapped
+        step, device, wrapped = self.progress.global_steps_finished, self._device, self._wrapped
         if not self.args.tbptt_steps:
             with self.backend.no_sync(wrapped, skip_gradient_sync=not sync):
-                outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, batch, device), "train_step")
-                self._check_first_loss(outputs[0])
+                outputs = as_outputs(self._forward(Stage.TRAIN, step, batch, device), "train_step")
+                if not self._first_loss_checked:
+                    self._check_first_loss(outputs[0])
                 self.backend.backward(outputs[0] / cycle_length if cycle_length > 1 else outputs[0])
             self.hooks.call("on_end_backward", step, outputs[0])
             return outputs
@@ -305,12 +314,13 @@ class Trainer:
         hiddens, total_loss = None, 0.0
         for index, chunk in enumerate(chunks):
             with self.backend.no_sync(wrapped, skip_gradient_sync=not sync or index + 1 < len(chunks)):
-                outputs = as_outputs(self.backend.forward(wrapped, Stage.TRAIN, step, chunk, device, hiddens), "train_step")
+                outputs = as_outputs(self._forward(Stage.TRAIN, step, chunk, device, hiddens), "train_step")
                 if len(outputs) < 2:
                     raise TypeError(
                         "with tbptt_steps set, train_step(global_step, batch, device, hiddens) must return (loss, hiddens, ...)"
                     )
-                self._check_first_loss(outputs[0])
+                if not self._first_loss_checked:
+                    self._check_first_loss(outputs[0])
                 self.backend.backward(outputs[0] / (cycle_length * len(chunks)))
             self.hooks.call("on_end_backward", step, outputs[0])
             hiddens = map_tensors(outputs[1], torch.Tensor.detach)
@@ -318,16 +328,16 @@ class Trainer:
         return (total_loss / len(chunks), *outputs[1:])
 
     def _check_first_loss(self, loss: torch.Tensor) -> None:
-        if not self._first_loss_checked:  # once per run
-            checks.check_loss_requires_grad(loss, self.module)
-            self._first_loss_checked = True
+        checks.check_loss_requires_grad(loss, self.module)
+        self._first_loss_checked = True
 
     def _after_micro_batch(self, outputs: Tuple[Any, ...]) -> None:
         """Keep the loss on the device (and the outputs when asked); ``on_end_train_step``."""
-        self.losses.add(outputs[0], self.global_steps_finished)
+        step = self.progress.global_steps_finished
+        self.losses.add(outputs[0], step)
         if self.args.collect_train_outputs:
             self._kept_outputs.append(map_tensors(outputs, torch.Tensor.detach))
-        self.hooks.call("on_end_train_step", self.global_steps_finished, *outputs)
+        self.hooks.call("on_end_train_step", step, *outputs)
 
     def _closure_optimizer_step(self, batch: Any) -> Tuple[Any, ...]:
         """One step of optimizers that re-evaluate the loss themselves (LBFGS)."""
@@ -337,8 +347,9 @@ class Trainer:
         def closure() -> torch.Tensor:
             for optimizer in self.optimizers:
                 optimizer.zero_grad(set_to_none=False)
-            outputs = as_outputs(self.backend.forward(self._wrapped, Stage.TRAIN, step, batch, self.device), "train_step")
-            self._check_first_loss(outputs[0])
+            outputs = as_outputs(self._forward(Stage.TRAIN, step, batch, self._device), "train_step")
+            if not self._first_loss_checked:
+                self._check_first_loss(outputs[0])
             self.backend.backward(outputs[0])
             self._clip_gradients()
             if not first_outputs:
@@ -351,11 +362,13 @@ class Trainer:
 
     def _optimizer_step(self, closure: Any = None) -> None:
         """Unscale, clip, step optimizers (and per-step schedulers), zero gradients."""
+        args = self.args
         if closure is None:
             self.backend.unscale_gradients(self.optimizers)
-            self._clip_gradients()
+            if args.clip_grads or args.track_grad_norm or args.clip_grad_value is not None:
+                self._clip_gradients()
         stepped = self.backend.step_optimizers(self.optimizers, closure)
-        if stepped and self.args.scheduler_interval == "step":
+        if stepped and self.schedulers and args.scheduler_interval == "step":
             self._step_schedulers()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -445,10 +458,10 @@ class Trainer:
         args = self.args
         if args.max_steps is not None and step >= args.max_steps:
             return True
-        if self.backend.world_size == 1:
-            self._time_is_up = self._time_is_up or self._clock_expired()
+        if not self._distributed:
+            self._time_is_up = self._time_is_up or (args.max_time is not None and self._clock_expired())
             self._preempted = self.preemption.requested
-            return self._should_end_training()
+            return self._time_is_up or self._preempted or (self.should_stop and self._should_end_training())
         if step % args.log_every_n_steps == 0:
             return self._should_end_training()
         pending = self.preemption.requested or self._clock_expired()
@@ -611,6 +624,7 @@ class Trainer:
         self._create_train_loader()
         if self._wrapped is None:
             self._wrapped = self.backend.wrap_module(self._runner)
+            self._forward = self.backend.step_function(self._wrapped, self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
             self.optimizers, self.schedulers = build_optimizers_schedulers(
@@ -642,6 +656,7 @@ class Trainer:
         if self.is_main_process and not self.args.fast_dev_run:
             resolved_config(self.args).save(os.path.join(self.args.output_dir, "config.yaml"))
         self._start_time = time.monotonic()
+        self._compile_started = time.perf_counter() if self.args.compile else None
         self.module.train()
 
     def _micro_batches_this_epoch(self) -> Optional[int]:

@@ -704,11 +704,10 @@ class Trainer:
                 location = self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
             except Exception as caught:  # re-raised below, after the other ranks learn about it
                 error = caught
-        if self.backend.world_size > 1:  # the broadcast is the barrier after the save
-            failure = None if error is None else f"{type(error).__name__}: {error}"
-            location, failure = self.backend.broadcast_object((location, failure))
-            if error is None and failure is not None:
-                raise RuntimeError(f"rank zero failed to save a checkpoint: {failure}")
+        failure = None if error is None else f"{type(error).__name__}: {error}"
+        location, failure = self.backend.broadcast_object((location, failure))  # the barrier after the save
+        if error is None and failure is not None:
+            raise RuntimeError(f"rank zero failed to save a checkpoint: {failure}")
         if error is not None:
             raise error
         return location

@@ -6,6 +6,7 @@ group; single-rank runs happen in the test process.
 """
 
 import logging
+import math
 import os
 
 import pytest
@@ -213,3 +214,25 @@ def test_compile_matches_eager(tmp_path):
         messages.extend(collect.messages)
     assert max_difference(weights[False], weights[True]) <= 1e-4  # inductor's fused kernels round differently
     assert sum("torch.compile: first training step" in message for message in messages) == 1
+
+
+def mixed_precision_ranks(rank: int, out: str) -> dict:
+    dist.init_process_group("gloo")
+    results = {}
+    for backend in ("ddp-amp", "fsdp-amp"):
+        trainer = Trainer(TinyTransformer(), arguments(backend, os.path.join(out, backend)))
+        trainer.train()
+        results[backend] = full_weights(trainer)
+        results[f"{backend} losses"] = trainer.history.values("train_loss")
+        results[f"{backend} dtypes"] = sorted({str(p.dtype) for p in trainer.module.parameters()})
+    dist.destroy_process_group()
+    return results
+
+
+def test_fsdp_amp_trains_in_bf16_with_fp32_master_weights_close_to_ddp_amp(tmp_path):
+    results = run_ranks(mixed_precision_ranks, out=str(tmp_path))[0]
+    assert results["fsdp-amp dtypes"] == ["torch.float32"]  # the sharded master weights stay fp32
+    assert all(math.isfinite(loss) for loss in results["fsdp-amp losses"])
+    assert results["fsdp-amp losses"][-1] < results["fsdp-amp losses"][0]
+    # bf16 compute on both sides (FSDP's param cast vs autocast): close, not equal.
+    assert max_difference(results["ddp-amp"], results["fsdp-amp"]) < 5e-2

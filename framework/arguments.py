@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
+from framework.preemption import parse_signals
 from framework.typed_fields import check_field_types
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -128,6 +129,7 @@ class TrainerArguments:
         _require(self.ddp_timeout > 0, "ddp_timeout", self.ddp_timeout, "seconds > 0")
         _require(str(self.log_level).upper() in _LOG_LEVELS, "log_level", self.log_level, f"one of {_LOG_LEVELS}")
         _require(isinstance(self.backend, str) and bool(self.backend), "backend", self.backend, "a backend name")
+        parse_signals(self.preemption_signals)  # an unknown name is an error naming it and the allowed ones
         _require(
             self.cluster is None or (isinstance(self.cluster, str) and bool(self.cluster)),
             "cluster",

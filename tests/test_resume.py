@@ -227,3 +227,11 @@ def test_second_signal_aborts_at_once_and_keeps_the_previous_checkpoint(tmp_path
     assert time.monotonic() - sent < 2.5  # did not wait for the step to finish
     assert checkpoint_steps(tmp_path) == [1]
     assert_all_checkpoints_load(tmp_path)
+
+
+def test_an_unknown_preemption_signal_is_refused_by_name():
+    from framework import TrainerArguments
+
+    with pytest.raises(ValueError, match=r"preemption_signals: 'SIGFOO' is not a signal .* allowed: .*SIGTERM"):
+        TrainerArguments(preemption_signals="SIGTERM,SIGFOO")
+    assert TrainerArguments(preemption_signals="").preemption_signals == ""  # catches none

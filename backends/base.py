@@ -154,10 +154,10 @@ class TrainerBackend:
 
     def step_function(self, wrapped: torch.nn.Module, runner: torch.nn.Module) -> Callable[..., Any]:
         """The call the training loop makes for every step, decided once: ``wrapped(*args)``
-        inside the precision's autocast, or, when there is neither a wrapper (DDP) nor an
-        autocast (fp32 on one process), the runner's ``forward`` itself."""
+        inside the precision's autocast, or, when there is no wrapper (DDP), no autocast and
+        no forward hook (FSDP2 registers its own), the runner's ``forward`` itself."""
         plain_forward = type(self.precision).forward_context is Precision.forward_context
-        if wrapped is runner and plain_forward:
+        if wrapped is runner and plain_forward and not _has_call_hooks(runner):
             return runner.forward
         return lambda *args: self.forward(wrapped, *args)
 
@@ -198,3 +198,15 @@ class TrainerBackend:
     def update_state(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`get_state` returned."""
         self.precision.update_state(state.get("precision", {}))
+
+
+def _has_call_hooks(module: torch.nn.Module) -> bool:
+    """True when calling ``module`` runs hooks beside ``forward`` (FSDP2's, a user's, global ones)."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    global_hooks = (
+        torch.nn.modules.module._global_forward_hooks,
+        torch.nn.modules.module._global_forward_pre_hooks,
+        torch.nn.modules.module._global_backward_hooks,
+        torch.nn.modules.module._global_backward_pre_hooks,
+    )
+    return any(hooks) or any(global_hooks) or type(module).__call__ is not torch.nn.Module.__call__

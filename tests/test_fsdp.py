@@ -205,11 +205,14 @@ def test_compile_matches_eager(tmp_path):
     for compile in (False, True):
         args = arguments(backend, str(tmp_path / f"{compile}"), max_steps=2, epochs=1, compile=compile, track_grad_norm=False)
         trainer, collect = Trainer(TinyTransformer(depth=1), args), Collect()
-        logging.getLogger("backends").addHandler(collect)
+        loggers = [logging.getLogger("backends"), logging.getLogger("framework")]
+        for logger in loggers:
+            logger.addHandler(collect)
         try:
             trainer.train()
         finally:
-            logging.getLogger("backends").removeHandler(collect)
+            for logger in loggers:
+                logger.removeHandler(collect)
         weights[compile] = full_weights(trainer)
         messages.extend(collect.messages)
     assert max_difference(weights[False], weights[True]) <= 1e-4  # inductor's fused kernels round differently

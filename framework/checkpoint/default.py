@@ -5,7 +5,7 @@ import logging
 import re
 import threading
 import time
-from typing import IO, Any, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -417,16 +417,24 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 self._scores[checkpoint_name(checkpoint.global_step)] = float(score)
         return checkpoint
 
-    def _load_latest(self, source: str) -> Optional[Checkpoint]:
-        """The newest checkpoint in ``source`` that reads back; reports and skips the others."""
+    def _load_latest(
+        self,
+        source: str,
+        read: Optional[Callable[[str], Checkpoint]] = None,
+        damaged: Tuple[Type[BaseException], ...] = (storage.CorruptCheckpoint,),
+    ) -> Optional[Checkpoint]:
+        """The newest checkpoint in ``source`` that ``read`` (default :meth:`read`) reads back;
+        reports and skips the ``damaged`` ones. A refused file stops the search."""
         fs, directory = storage.resolve(source)
         entries = self._checkpoint_entries(fs, directory)
         failures = []
         for _, path in entries:
             url = fs.unstrip_protocol(path)
             try:
-                checkpoint = self.read(url)
-            except storage.CorruptCheckpoint as error:  # truncated or damaged: only these fall back
+                checkpoint = (read or self.read)(url)
+            except storage.CheckpointRefused:
+                raise
+            except damaged as error:  # truncated or damaged: only these fall back
                 logger.warning("checkpoint %s is unreadable and was skipped: %s", url, error)
                 failures.append(f"{url}: {error}")
                 continue

@@ -304,7 +304,7 @@ class ShardedCheckpointer(DefaultCheckpointer):
             sources.append((self.args.load_dir, True))
         for source, is_directory in sources:
             checkpoint = (
-                self._load_latest(source, current, optimizers) if is_directory else self._read(source, current, optimizers)
+                self._load_latest_into(source, current, optimizers) if is_directory else self._read(source, current, optimizers)
             )
             if checkpoint is None:
                 continue
@@ -321,29 +321,9 @@ class ShardedCheckpointer(DefaultCheckpointer):
             logger.info("no checkpoint in %s: starting fresh", self.args.load_dir or self.save_dir)
         return None
 
-    def _load_latest(self, source: str, current: Any, optimizers: Sequence[torch.optim.Optimizer]) -> Optional[Checkpoint]:
-        fs, directory = storage.resolve(source)
-        failures = []
-        for _, path in self._checkpoint_entries(fs, directory):
-            url = fs.unstrip_protocol(path)
-            try:
-                checkpoint = self._read(url, current, optimizers)
-            except storage.CheckpointRefused:
-                raise
-            except Exception as error:  # incomplete, damaged, not a checkpoint of this format
-                logger.warning("sharded checkpoint %s is unreadable and was skipped: %s", url, error)
-                failures.append(f"{url}: {error}")
-                continue
-            if failures:
-                logger.warning("resuming from the newest readable checkpoint %s instead", url)
-            self.loaded_from = url
-            return checkpoint
-        if failures:
-            raise RuntimeError(
-                f"{source} holds {len(failures)} checkpoint(s) and none reads back, so the run cannot resume; "
-                f"move them away to start fresh. " + "; ".join(failures)
-            )
-        return None
+    def _load_latest_into(self, source: str, current: Any, optimizers: Sequence[torch.optim.Optimizer]) -> Optional[Checkpoint]:
+        # Any failure of a sharded directory (no marker, a short shard, DCP's own errors) counts as damaged.
+        return self._load_latest(source, read=lambda url: self._read(url, current, optimizers), damaged=(Exception,))
 
     def read(self, url: str) -> Checkpoint:
         """Read the sharded checkpoint directory at ``url`` with full CPU tensors."""

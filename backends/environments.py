@@ -586,7 +586,7 @@ def detect_cluster_environment(environ: Optional[Mapping[str, str]] = None) -> C
 
 
 def select_cluster_environment(
-    cluster: Union[None, str, ClusterEnvironment] = None, environ: Optional[Mapping[str, str]] = None
+    cluster: Union[str, ClusterEnvironment, None] = None, environ: Optional[Mapping[str, str]] = None
 ) -> ClusterEnvironment:
     """The environment named ``cluster`` (or the instance given, or the detected one), validated.
 

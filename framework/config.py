@@ -18,7 +18,7 @@ import re
 import sys
 import textwrap
 import typing
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type  # noqa: F401 (Union: doctest)
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import yaml
 
@@ -431,13 +431,14 @@ def field_docs(cls: Type) -> Dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, following in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if (
-                    isinstance(following, ast.Expr)
-                    and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)
-                ):
-                    docs[node.target.id] = " ".join(following.value.value.split())
+            is_field = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            is_docstring = (
+                isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            )
+            if is_field and is_docstring:
+                docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 
@@ -457,7 +458,7 @@ def _default_text(f: dataclasses.Field) -> str:
     if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
         try:
             return repr(f.default_factory())  # type: ignore[misc]
-        except Exception:  # noqa: BLE001 - help must not fail on a factory
+        except Exception:  # help must not fail on a factory
             return "(computed)"
     return "(required)"
 

@@ -51,7 +51,7 @@ class CSVWriter(MetricWriter):
 
     def start(self, records: List[Dict[str, Any]]) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._handle = open(self.path, "w", newline="")
+        self._handle = open(self.path, "w", newline="")  # noqa: SIM115 - open across write() calls; closed in close()
         self._writer = csv.DictWriter(self._handle, fieldnames=self.FIELDS)
         self._writer.writeheader()
         self.write(records)

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+
 from distributed import run_ranks
 from toy import ToyModule, flat_parameters
 

@@ -4,6 +4,7 @@ checkpoints, ordered samplers resume, and worker randomness survives a resume.""
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any, Dict, List, NamedTuple
@@ -14,26 +15,14 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from distributed import run_ranks
-from toy import ToyModule, flat_parameters, make_classification
+from toy import ToyModule, flat_parameters, make_classification, toy_args
 
 from backends import map_tensors
 from backends.batch import move_to_device
-from framework import ModuleInterface, Trainer, TrainerArguments
+from framework import Trainer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
-
-def make_args(out, **overrides) -> TrainerArguments:
-    values = dict(
-        epochs=1,
-        train_batch_size=8,
-        seed=0,
-        disable_tqdm=True,
-        log_level="WARNING",
-        output_dir=str(out),
-        checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
-    )
-    values.update(overrides)
-    return TrainerArguments(**values)
+make_args = functools.partial(toy_args, train_batch_size=8)
 
 
 # -- batches of any container ---------------------------------------------------------------
@@ -255,7 +244,7 @@ def test_a_stream_with_state_resumes_mid_epoch_exactly(tmp_path):
         return module, trainer
 
     reference, _ = run("reference", save_at_end=False)
-    stopped, _ = run("stopped", max_steps=11, save_at_end=True)  # 8 steps per epoch: stops mid-epoch 2
+    _stopped, _ = run("stopped", max_steps=11, save_at_end=True)  # 8 steps per epoch: stops mid-epoch 2
     assert checkpoints_in(tmp_path / "ckpt") == ["checkpoint-000000011.pt"]
     resumed, trainer = run("resumed", resume="auto", save_at_end=False)
     assert trainer.global_steps_finished == 16

@@ -6,6 +6,7 @@ tests below check its results against single-process runs in the test process.
 
 import glob
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -14,10 +15,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import free_port, run_ranks
-from toy import ToyModule, flat_parameters
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
+
+from distributed import free_port, run_ranks
+from toy import ToyModule, flat_parameters
 
 from backends import DDP, FullPrecision, ResumableSampler, TrainerBackend
 from framework import Trainer, TrainerArguments
@@ -313,7 +315,7 @@ def test_example_runs_under_torchrun_and_only_rank_zero_prints(tmp_path):
     outputs = {}
     for rank in (0, 1):
         [directory] = glob.glob(str(logs / "**" / str(rank)), recursive=True)
-        outputs[rank] = "".join(open(os.path.join(directory, name)).read() for name in ("stdout.log", "stderr.log"))
+        outputs[rank] = "".join(pathlib.Path(directory, name).read_text() for name in ("stdout.log", "stderr.log"))
     assert "final val_accuracy=" in outputs[0] and "INFO framework] epoch 2/2" in outputs[0]
     # Rank 1 prints nothing of its own: no log lines, progress, or results (torch's own
     # c10d warnings, if any, are not the framework's).
@@ -345,7 +347,7 @@ def test_two_torchrun_launchers_train_together_as_two_nodes(tmp_path):
     port = free_port()
     common = ["--nnodes=2", "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
     environment = dict(os.environ, OMP_NUM_THREADS="1")
-    logs = [open(tmp_path / f"node{node}.log", "w") for node in (0, 1)]
+    logs = [open(tmp_path / f"node{node}.log", "w") for node in (0, 1)]  # noqa: SIM115 - the launchers' output; closed below
     launchers = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={node}", str(script)],

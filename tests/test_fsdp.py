@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+
 from distributed import run_ranks
 from tiny_transformer import TinyTransformer
-from toy import ToyModule, flat_parameters
 
 from framework import Trainer, TrainerArguments
-from framework.checkpoint import DefaultCheckpointer, ShardedCheckpointer
+from framework.checkpoint import DefaultCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
 EPOCHS, STEPS_PER_EPOCH = 2, 4  # 64 samples / global batch 16

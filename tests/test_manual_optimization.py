@@ -18,7 +18,7 @@ from framework.checkpoint import DefaultCheckpointerArguments
 from framework.rng import seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from gan import DigitsGAN, GANArguments  # noqa: E402
+from gan import DigitsGAN, GANArguments
 
 SEED, BATCH, SAMPLES, EPOCHS = 3, 32, 256, 2
 CONFIG = GANArguments(latent_size=8, hidden_size=32, learning_rate=1e-3, discriminator_max_norm=0.5)

@@ -17,8 +17,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments
-from framework.checkpoint import storage
+from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments, storage
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")

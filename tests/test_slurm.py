@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+
 from distributed import free_port
 from slurm_cluster import slurm_cluster  # noqa: F401 (the fixture)
 

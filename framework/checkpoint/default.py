@@ -120,12 +120,12 @@ class StagingBuffers:
             memo[id(obj)] = copied
             return copied
         if isinstance(obj, dict):
-            copied_dict = {key: self._copy(value, path + (key,), used, memo) for key, value in obj.items()}
+            copied_dict = {key: self._copy(value, (*path, key), used, memo) for key, value in obj.items()}
             return collections.OrderedDict(copied_dict) if isinstance(obj, collections.OrderedDict) else copied_dict
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(self._copy(value, path + (index,), used, memo) for index, value in enumerate(obj)))
+            return type(obj)(*(self._copy(value, (*path, index), used, memo) for index, value in enumerate(obj)))
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(value, path + (index,), used, memo) for index, value in enumerate(obj))
+            return type(obj)(self._copy(value, (*path, index), used, memo) for index, value in enumerate(obj))
         return obj
 
 

@@ -675,7 +675,7 @@ def _scontrol_job_fields(job_id: int) -> Dict[str, str]:
     result = _run(["scontrol", "show", "job", "--oneliner", str(job_id)])
     if result is None or result.returncode != 0:
         return {}
-    fields = {}
+    fields: Dict[str, str] = {}
     for token in result.stdout.split():
         key, _, value = token.partition("=")
         fields.setdefault(key, value)

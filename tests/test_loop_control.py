@@ -182,6 +182,13 @@ def test_split_along_time_keeps_structure():
     assert all(c["lengths"].shape == (2,) and c["name"] == "a" for c in chunks)
 
 
+def test_split_along_time_without_a_time_dimension_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"tbptt_steps=3 needs a tensor with 2\+ dims .* got a batch of type tuple with none"):
+        split_along_time((torch.ones(4), torch.zeros(4)), 3)
+    nested = split_along_time((torch.zeros(2, 4), (torch.ones(2), "id")), 2)  # parts without time are repeated
+    assert [len(chunk[1]) for chunk in nested] == [2, 2]
+
+
 def test_clip_grad_value_bounds_the_update(tmp_path):
     class Huge(ToyModule):
         def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):

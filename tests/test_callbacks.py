@@ -396,6 +396,7 @@ def _two_rank_callbacks(rank: int, out: str):
     return stopped, bar.had_bar, guard.stopped_step, nan_trainer.global_steps_finished, finite, messages
 
 
+@pytest.mark.distributed
 def test_two_ranks_agree_on_early_stopping_and_nan_termination(tmp_path):
     rank0, rank1 = run_ranks(_two_rank_callbacks, out=str(tmp_path))
     assert rank0[0] == rank1[0]  # same epoch, step, best and wait on both ranks

@@ -229,6 +229,7 @@ def _ddp_rerun(rank: int, out: str) -> str:
     return "trained"
 
 
+@pytest.mark.distributed
 def test_ddp_rerun_is_refused_on_every_rank(tmp_path):
     out = tmp_path / "run"
     out.mkdir()

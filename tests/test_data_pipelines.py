@@ -125,6 +125,7 @@ def _stream_rank(rank, out, sized):
     return module.seen, trainer.global_steps_finished
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("sized", [False, True])
 def test_two_ranks_train_on_distinct_shards_of_a_stream(tmp_path, sized):
     (seen0, steps0), (seen1, steps1) = run_ranks(_stream_rank, out=str(tmp_path), sized=sized)
@@ -305,6 +306,7 @@ def _ordered_rank(rank, out):
     return module.seen
 
 
+@pytest.mark.distributed
 def test_an_ordered_sampler_keeps_each_ranks_share_in_order(tmp_path):
     seen0, seen1 = run_ranks(_ordered_rank, out=str(tmp_path))
     assert seen0 == {0: list(range(0, 64, 2)), 1: list(range(0, 64, 2))}

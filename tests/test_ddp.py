@@ -191,6 +191,7 @@ def sp_run(tmp_path_factory):
     return _summary(trainer, module)
 
 
+@pytest.mark.distributed
 def test_ddp_matches_sp_with_accumulation_and_clipping(ddp_run, sp_run):
     for result in ddp_run["ranks"]:
         parity = result["parity"]
@@ -201,12 +202,14 @@ def test_ddp_matches_sp_with_accumulation_and_clipping(ddp_run, sp_run):
     assert not torch.equal(sp_run["params"], flat_parameters(IndexedToy()))  # it did train
 
 
+@pytest.mark.distributed
 def test_no_sync_all_reduces_once_per_optimizer_step(ddp_run):
     for result in ddp_run["ranks"]:
         assert result["parity"]["accumulation"] == 2
         assert result["parity"]["allreduces"] == result["parity"]["steps"] == 16
 
 
+@pytest.mark.distributed
 def test_history_is_averaged_over_ranks_and_identical_on_every_rank(ddp_run, sp_run):
     rank0, rank1 = (result["parity"]["history"] for result in ddp_run["ranks"])
     assert rank0 == rank1
@@ -217,6 +220,7 @@ def test_history_is_averaged_over_ranks_and_identical_on_every_rank(ddp_run, sp_
         assert value == pytest.approx(expected, rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.distributed
 def test_validation_outputs_are_each_sample_once_in_dataset_order(ddp_run, sp_run):
     for result in ddp_run["ranks"]:
         losses, correct, index = result["parity"]["val_outputs"]
@@ -225,6 +229,7 @@ def test_validation_outputs_are_each_sample_once_in_dataset_order(ddp_run, sp_ru
         assert torch.equal(correct, sp_run["val_outputs"][1])
 
 
+@pytest.mark.distributed
 def test_sampler_shuffles_per_epoch_and_shards_one_permutation(ddp_run, sp_run):
     rank0, rank1 = (result["parity"]["seen"] for result in ddp_run["ranks"])
     for epoch in (0, 1):
@@ -249,6 +254,7 @@ def test_distributed_sampler_same_order_on_every_rank_new_order_every_epoch():
     assert epoch0 != epoch1
 
 
+@pytest.mark.distributed
 def test_uneven_data_does_not_hang(ddp_run):
     rank0, rank1 = (result["uneven"] for result in ddp_run["ranks"])
     # rank 0: 125 samples = 16 micro-batches, rank 1: 105 = 14; both run the shorter 14 (7 steps).
@@ -259,12 +265,14 @@ def test_uneven_data_does_not_hang(ddp_run):
     assert indices.tolist() == list(range(N_VAL))
 
 
+@pytest.mark.distributed
 def test_fewer_validation_samples_than_ranks(ddp_run):
     for result in ddp_run["ranks"]:
         losses, correct, index = result["tiny_val"]["val_outputs"]
         assert index.tolist() == [0] and losses.shape == correct.shape == (1,)
 
 
+@pytest.mark.distributed
 def test_uneven_iterable_loaders_without_length_do_not_hang(ddp_run):
     rank0, rank1 = (result["stream"] for result in ddp_run["ranks"])
     # rank 1 runs out after 64 samples (8 micro-batches = 4 steps); rank 0 stops with it.
@@ -273,6 +281,7 @@ def test_uneven_iterable_loaders_without_length_do_not_hang(ddp_run):
     torch.testing.assert_close(rank0["params"], rank1["params"], rtol=0, atol=0)
 
 
+@pytest.mark.distributed
 def test_find_unused_parameters_is_passed_to_ddp(ddp_run):
     for result in ddp_run["ranks"]:
         assert result["unused"]["flag"] is True
@@ -281,6 +290,7 @@ def test_find_unused_parameters_is_passed_to_ddp(ddp_run):
     torch.testing.assert_close(rank0, rank1, rtol=0, atol=0)
 
 
+@pytest.mark.distributed
 def test_rank_zero_alone_writes_files(ddp_run):
     tmp = ddp_run["tmp"]
     assert os.path.exists(os.path.join(tmp, "rank0", "metrics.csv"))
@@ -294,6 +304,7 @@ def _torchrun(*arguments: str, env=None, timeout: float = 90, cwd: str = ROOT) -
     return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.distributed
 def test_example_runs_under_torchrun_and_only_rank_zero_prints(tmp_path):
     logs = tmp_path / "logs"
     result = _torchrun(
@@ -341,6 +352,7 @@ print(f"rank={{trainer.backend.rank}} world={{trainer.backend.world_size}} steps
 """
 
 
+@pytest.mark.distributed
 def test_two_torchrun_launchers_train_together_as_two_nodes(tmp_path):
     script = tmp_path / "multinode.py"
     script.write_text(MULTI_NODE_SCRIPT.format(tests=os.path.join(ROOT, "tests"), out=str(tmp_path / "out")))

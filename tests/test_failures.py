@@ -5,12 +5,15 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch.distributed as dist
 
 from distributed import free_port, run_ranks
 from toy import ToyModule
 
 from framework import Trainer, TrainerArguments
+
+pytestmark = pytest.mark.distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAIL_STEP = 3

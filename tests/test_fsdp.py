@@ -108,6 +108,7 @@ def max_difference(first: dict, second: dict) -> float:
     return max((first[name] - second[name]).abs().max().item() for name in first)
 
 
+@pytest.mark.distributed
 def test_fsdp_matches_ddp_with_accumulation_clipping_and_scheduler(runs):
     _, (rank0, rank1) = runs
     assert max_difference(rank0["ddp"], rank0["fsdp"]) <= 1e-5
@@ -117,6 +118,7 @@ def test_fsdp_matches_ddp_with_accumulation_clipping_and_scheduler(runs):
     assert fsdp_norm == pytest.approx(ddp_norm, rel=1e-5) and fsdp_norm > 0.2  # norms over all shards; clipping bit
 
 
+@pytest.mark.distributed
 def test_each_rank_holds_half_of_parameters_and_optimizer_state(runs):
     _, ranks = runs
     for result in ranks:
@@ -126,6 +128,7 @@ def test_each_rank_holds_half_of_parameters_and_optimizer_state(runs):
     assert ranks[0]["checkpointer"] == "ShardedCheckpointer"
 
 
+@pytest.mark.distributed
 def test_sharded_checkpoint_layout_and_full_weight_export(runs):
     out, (rank0, rank1) = runs
     directory = os.path.join(out, "fsdp", "checkpoints", f"checkpoint-{EPOCHS * STEPS_PER_EPOCH:09d}")
@@ -138,6 +141,7 @@ def test_sharded_checkpoint_layout_and_full_weight_export(runs):
     inference.load_state_dict(exported)  # a plain module takes the full weights
 
 
+@pytest.mark.distributed
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     out, (rank0, _) = runs
     stopped = os.path.join(out, "stopped")
@@ -153,6 +157,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     assert max_difference(full_weights(trainer), rank0["fsdp"]) <= 1e-5
 
 
+@pytest.mark.distributed
 def test_one_rank_checkpoint_resumes_on_two_ranks(runs):
     _, (rank0, rank1) = runs
     assert rank0["grown_step"] == EPOCHS * STEPS_PER_EPOCH

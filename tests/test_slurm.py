@@ -13,6 +13,9 @@ import torch
 from distributed import free_port
 from slurm_cluster import slurm_cluster  # noqa: F401 (the fixture)
 
+# A real one-node Slurm cluster (tests/slurm_cluster.py) whose jobs start 2-rank process groups.
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "run.py")
 # A short run of the README's example: 6 steps of 64 samples, a checkpoint at the end.

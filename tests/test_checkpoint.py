@@ -347,6 +347,7 @@ def _ddp_train(rank: int, directory: str, load_filename: Optional[str] = None, e
     return {"start": recorder.start, "params": flat_parameters(trainer.module), "step": trainer.global_steps_finished}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_checkpoint_loads_into_sp_and_back(tmp_path):
     directory = str(tmp_path)

@@ -125,6 +125,7 @@ def _stream_rank(rank, out, sized):
     return module.seen, trainer.global_steps_finished
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("sized", [False, True])
 def test_two_ranks_train_on_distinct_shards_of_a_stream(tmp_path, sized):

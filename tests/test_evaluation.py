@@ -95,6 +95,7 @@ def _two_ranks(rank, out, **module_args):
     return metrics, truth, seen
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_give_the_metrics_and_outputs_of_one_process(tmp_path):
     single, truth, single_seen = _validate(str(tmp_path / "sp"), returns="dict")
@@ -112,6 +113,7 @@ def test_two_ranks_give_the_metrics_and_outputs_of_one_process(tmp_path):
     assert single["acc"] == pytest.approx(truth["acc"], abs=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_without_validation_batches_does_not_hang(tmp_path):
     # One sample on two ranks: rank 1 runs no val_step and logs nothing.

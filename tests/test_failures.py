@@ -13,7 +13,7 @@ from toy import ToyModule
 
 from framework import Trainer, TrainerArguments
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAIL_STEP = 3

@@ -124,6 +124,7 @@ def ddp_gan(rank: int, tmp: str) -> List[float]:
     return flat_parameters(trainer.module).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_gan_on_two_ddp_ranks_matches_a_plain_loop(tmp_path):
     rank0, rank1 = run_ranks(ddp_gan, tmp=str(tmp_path))
@@ -139,6 +140,7 @@ def ddp_amp_gan(rank: int, tmp: str) -> Dict[str, Any]:
     return {"params": flat_parameters(trainer.module).tolist(), "losses": trainer.history.values("discriminator_loss")}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_gan_on_ddp_amp_trains_in_step_on_both_ranks(tmp_path):
     rank0, rank1 = run_ranks(ddp_amp_gan, tmp=str(tmp_path))

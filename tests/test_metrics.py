@@ -228,6 +228,7 @@ def _two_rank_metrics(rank: int, out: str):
     return history.records, os.path.exists(os.path.join(out, "metrics.csv"))
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_reduce_logged_values_across_ranks(tmp_path):
     (records0, wrote0), (records1, _) = run_ranks(_two_rank_metrics, out=str(tmp_path))

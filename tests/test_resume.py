@@ -19,6 +19,8 @@ import torch
 
 from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments, storage
 
+pytestmark = pytest.mark.slow  # each test trains in several fresh processes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")
 

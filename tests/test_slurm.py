@@ -189,6 +189,7 @@ srun {python} {script} {out} --backend ddp --step-sleep 0.05
 """
 
 
+@pytest.mark.slow
 def test_usr1_saves_requeues_and_the_requeued_job_ends_like_an_uninterrupted_run(slurm_cluster, tmp_path):  # noqa: F811
     reference = str(tmp_path / "reference")
     result = slurm_cluster.run(["srun", "--ntasks=2", sys.executable, RESUME_SCRIPT, reference, "--backend", "ddp"], cwd=ROOT)

@@ -77,7 +77,7 @@ class TrainerBackend:
         amp_dtype: Optional[str] = None,
         find_unused_parameters: bool = False,
         ddp_timeout: float = 600.0,
-        cluster: Union[None, str, ClusterEnvironment] = None,
+        cluster: Union[str, ClusterEnvironment, None] = None,
         compile: bool = False,
     ) -> None:
         """Find the cluster environment, pick the device, join the process group (DDP) and

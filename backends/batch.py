@@ -28,8 +28,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         if isinstance(obj, defaultdict):
             return type(obj)(obj.default_factory, items)
         if type(obj) is dict or not isinstance(obj, MutableMapping):
+            mapping_class: Any = type(obj)  # a concrete Mapping subclass; built from pairs
             try:
-                return type(obj)(items)
+                return mapping_class(items)
             except TypeError:  # a read-only mapping that cannot be built from pairs
                 return dict(items)
         rebuilt = copy.copy(obj)  # keeps the class and its attributes (UserDict, custom mappings)
@@ -41,10 +42,10 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(value, fn) for value in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        rebuilt = copy.copy(obj)
+        instance = copy.copy(obj)
         for field in dataclasses.fields(obj):
-            object.__setattr__(rebuilt, field.name, map_tensors(getattr(obj, field.name), fn))  # frozen ones too
-        return rebuilt
+            object.__setattr__(instance, field.name, map_tensors(getattr(obj, field.name), fn))  # frozen ones too
+        return instance
     return obj
 
 

@@ -586,7 +586,7 @@ def detect_cluster_environment(environ: Optional[Mapping[str, str]] = None) -> C
 
 
 def select_cluster_environment(
-    cluster: Union[None, str, ClusterEnvironment] = None, environ: Optional[Mapping[str, str]] = None
+    cluster: Union[str, ClusterEnvironment, None] = None, environ: Optional[Mapping[str, str]] = None
 ) -> ClusterEnvironment:
     """The environment named ``cluster`` (or the instance given, or the detected one), validated.
 
@@ -675,7 +675,7 @@ def _scontrol_job_fields(job_id: int) -> Dict[str, str]:
     result = _run(["scontrol", "show", "job", "--oneliner", str(job_id)])
     if result is None or result.returncode != 0:
         return {}
-    fields = {}
+    fields: Dict[str, str] = {}
     for token in result.stdout.split():
         key, _, value = token.partition("=")
         fields.setdefault(key, value)

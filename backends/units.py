@@ -2,7 +2,7 @@
 
 import logging
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -70,8 +70,8 @@ class CompileTimer:
 
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
-        self.seconds = None
-        self._started = None
+        self.seconds: Optional[float] = None
+        self._started: Optional[float] = None
 
     def start(self) -> None:
         if self.enabled and self._started is None:

@@ -254,8 +254,10 @@ def report(figures: Dict[str, float], interval: float, saves: int) -> str:
         f"(first save, allocating its buffers: {figures['async_first_stall_s']:.2f}) |\n"
         f"| async / sync stall | {ratio:.0%} (target <= 25%: {verdict}) |\n"
         f"| longest wait of an async save for the previous background write | {figures['async_wait_s']:.2f} |\n"
-        f"| write of one checkpoint: sync / async (background, lowered priority) | {figures['sync_write_s']:.2f} / {figures['async_write_s']:.2f} |\n"
-        f"| training step without saves / while a background write runs | {figures['step_s']:.2f} / {figures['step_during_write_s']:.2f} |\n"
+        "| write of one checkpoint: sync / async (background, lowered priority) "
+        f"| {figures['sync_write_s']:.2f} / {figures['async_write_s']:.2f} |\n"
+        "| training step without saves / while a background write runs "
+        f"| {figures['step_s']:.2f} / {figures['step_during_write_s']:.2f} |\n"
         f"| resume: `train()` to the first hook, newest checkpoint verified and loaded | {figures['resume_s']:.2f} |\n\n"
         "Stall: wall time of `Trainer.save_checkpoint` on the training thread (building the state, then writing "
         "it, or copying it into reused CPU buffers for the background writer). Step times are medians; on a "
@@ -265,13 +267,13 @@ def report(figures: Dict[str, float], interval: float, saves: int) -> str:
 
 def write_docs(section: str) -> str:
     path = os.path.join(ROOT, "docs", "benchmarks.md")
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
+    text = "# Benchmarks\n"
+    if os.path.exists(path):
+        with open(path) as handle:
+            text = handle.read()
     block = "## Checkpointing\n\n" + section
     pattern = re.compile(r"^## Checkpointing\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
+    text = pattern.sub(lambda _: block + "\n", text, count=1) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
     with open(path, "w") as handle:
         handle.write(text.rstrip("\n") + "\n")
     return path

@@ -28,8 +28,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from framework import Trainer, TrainerArguments  # noqa: E402
-from overhead import BenchmarkModule, make_net  # noqa: E402  (this folder is on sys.path)
+from overhead import BenchmarkModule, make_net
+
+from framework import Trainer, TrainerArguments
 
 FEATURES, CLASSES = 32, 10
 

@@ -27,9 +27,10 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from tiny_transformer import TinyTransformer  # noqa: E402
+
 from framework import Trainer, TrainerArguments  # noqa: E402
 from framework.callbacks import Callback  # noqa: E402
-from tiny_transformer import TinyTransformer  # noqa: E402
 
 
 class StepClock(Callback):

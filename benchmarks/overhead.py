@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends import ResumableSampler  # noqa: E402
-from framework import ModuleInterface, Trainer, TrainerArguments  # noqa: E402
+from backends import ResumableSampler
+from framework import ModuleInterface, Trainer, TrainerArguments
 
 SAMPLES, FEATURES, CLASSES, BATCH = 8192, 32, 10, 32
 

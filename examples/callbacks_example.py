@@ -17,12 +17,12 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from digits import DigitsArguments, DigitsClassifier  # noqa: E402
+from digits import DigitsArguments, DigitsClassifier
 
-from framework import Trainer  # noqa: E402
-from framework.callbacks import EarlyStopping, LearningRateMonitor, ModelSummary, Timer  # noqa: E402
-from framework.config import parse_config  # noqa: E402
-from framework.rng import seed_everything  # noqa: E402
+from framework import Trainer
+from framework.callbacks import EarlyStopping, LearningRateMonitor, ModelSummary, Timer
+from framework.config import parse_config
+from framework.rng import seed_everything
 
 # Defaults for this example; anything on the command line comes later and wins.
 DEFAULTS = [

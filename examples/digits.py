@@ -1,7 +1,7 @@
 """A digit classifier on scikit-learn's bundled 8x8 digits (no download)."""
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +44,9 @@ def load_digits_datasets(val_fraction: float, seed: int = 0):
 class DigitsClassifier(ModuleInterface):
     """An MLP that reaches ~97% validation accuracy on digits in a few seconds."""
 
-    def __init__(self, config: DigitsArguments = DigitsArguments()) -> None:
+    def __init__(self, config: Optional[DigitsArguments] = None) -> None:
         super().__init__()
+        config = config or DigitsArguments()
         self.config = config
         self.net = torch.nn.Sequential(
             torch.nn.Linear(64, config.hidden_size),

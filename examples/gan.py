@@ -12,7 +12,7 @@ so DDP needs ``find_unused_parameters``, which this script turns on).
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from framework import ModuleInterface, Trainer  # noqa: E402
-from framework.config import parse_config  # noqa: E402
-from framework.rng import seed_everything  # noqa: E402
+from framework import ModuleInterface, Trainer
+from framework.config import parse_config
+from framework.rng import seed_everything
 
 
 @dataclass
@@ -52,8 +52,9 @@ class DigitsGAN(ModuleInterface):
 
     automatic_optimization = False
 
-    def __init__(self, config: GANArguments = GANArguments(), data: Any = None) -> None:
+    def __init__(self, config: Optional[GANArguments] = None, data: Any = None) -> None:
         super().__init__()
+        config = config or GANArguments()
         self.config = config
         hidden = config.hidden_size
         self.generator = torch.nn.Sequential(

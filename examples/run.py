@@ -10,11 +10,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from digits import DigitsArguments, DigitsClassifier  # noqa: E402
+from digits import DigitsArguments, DigitsClassifier
 
-from framework import Trainer, seed_everything  # noqa: E402
-from framework.config import parse_config  # noqa: E402
-
+from framework import Trainer, seed_everything
+from framework.config import parse_config
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.yaml")
 
@@ -23,7 +22,7 @@ def main(argv=None) -> float:
     on_command_line = argv is None  # there, a config error prints "error: ..." and exits 2 (no traceback)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(arg == "--config" or arg.startswith("--config=") for arg in argv):
-        argv = ["--config", DEFAULT_CONFIG] + argv
+        argv = ["--config", DEFAULT_CONFIG, *argv]
     config = parse_config({"model": DigitsArguments}, argv=argv, program="examples/run.py", exit_on_error=on_command_line)
     seed_everything(config.trainer.seed)  # before the model is built, so its initial weights repeat
     trainer = Trainer(module=DigitsClassifier(config.model), args=config.trainer)

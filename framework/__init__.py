@@ -13,13 +13,13 @@ from framework.stage import Stage
 from framework.trainer import Trainer
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
     "ModuleInterface",
+    "Stage",
     "Trainer",
     "TrainerArguments",
-    "Stage",
     "TrainingDiverged",
     "TrainingPreempted",
-    "PREEMPTED_EXIT_CODE",
     "seed_everything",
 ]
 __version__ = "0.1.0"

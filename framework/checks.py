@@ -39,7 +39,7 @@ def check_optimizers_schedulers(returned: Any, method: str = "get_optimizers_sch
         Traceback (most recent call last):
         ...
         TypeError: get_optimizers_schedulers must return ([optimizers], [schedulers]), e.g. ([optimizer], [scheduler]) or ([optimizer], []); got SGD
-    """
+    """  # noqa: E501 - a doctest's expected error message is one line
     if not (isinstance(returned, (tuple, list)) and len(returned) == 2 and not _is_optimizer(returned[0])):
         got = (
             type(returned).__name__
@@ -60,7 +60,8 @@ def check_optimizers_schedulers(returned: Any, method: str = "get_optimizers_sch
     for index, optimizer in enumerate(optimizers):
         if not _is_optimizer(optimizer):
             raise TypeError(
-                f"{method}: optimizer {index} is a {type(optimizer).__name__}, not a torch.optim.Optimizer; return {_OPTIMIZERS_SHAPE}"
+                f"{method}: optimizer {index} is a {type(optimizer).__name__}, not a torch.optim.Optimizer; "
+                f"return {_OPTIMIZERS_SHAPE}"
             )
     for index, scheduler in enumerate(schedulers):
         if not (callable(getattr(scheduler, "step", None)) and callable(getattr(scheduler, "state_dict", None))):
@@ -83,7 +84,7 @@ def check_train_dataloader(loader: Any, method: str = "get_train_dataloader") ->
         Traceback (most recent call last):
         ...
         TypeError: get_train_dataloader returned None; it must return a DataLoader (or any iterable of batches) built with sampler(dataset)
-    """
+    """  # noqa: E501 - a doctest's expected error message is one line
     if loader is None:
         raise TypeError(
             f"{method} returned None; it must return a DataLoader (or any iterable of batches) built with sampler(dataset)"
@@ -168,7 +169,7 @@ def check_hook_signatures(*targets: Any) -> None:
         Traceback (most recent call last):
         ...
         TypeError: Late.on_begin_train_epoch(epoch) does not fit the hook: it is called as on_begin_train_epoch(global_step, epoch) (it takes 1 positional argument(s), the trainer passes 2)
-    """
+    """  # noqa: E501 - a doctest's expected error message is one line
     for target in targets:
         for name in hook_names():
             implementation = getattr(target, name, None)
@@ -273,7 +274,8 @@ def check_optimizer_state_compatible(
 def _saved(state: Dict[str, Any], key: str, where: str) -> Any:
     if not isinstance(state, dict) or key not in state:
         raise CheckpointMismatch(
-            f"checkpoint {where}: its trainer state has no {key!r} entry; it was not written by this trainer (or by an incompatible version)"
+            f"checkpoint {where}: its trainer state has no {key!r} entry; "
+            "it was not written by this trainer (or by an incompatible version)"
         )
     return state[key]
 
@@ -288,7 +290,7 @@ def naming_missing_keys(checkpoint_path: Optional[str], part: str = "trainer sta
         Traceback (most recent call last):
         ...
         framework.checks.CheckpointMismatch: checkpoint ckpt.pt: its trainer state has no 'ranks' entry; it was not written by this trainer (or by an incompatible version)
-    """
+    """  # noqa: E501 - a doctest's expected error message is one line
     try:
         yield
     except KeyError as error:

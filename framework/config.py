@@ -18,7 +18,7 @@ import re
 import sys
 import textwrap
 import typing
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type  # noqa: F401 (Union: doctest)
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import yaml
 
@@ -181,12 +181,15 @@ def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
 
 
 def _split_arguments(argv: List[str]) -> Tuple[Optional[str], List[Tuple[str, Any]]]:
-    config_path, overrides, index = None, [], 0
+    config_path: Optional[str] = None
+    overrides: List[Tuple[str, Any]] = []
+    index = 0
     while index < len(argv):
         item = argv[index]
         if not item.startswith("--") or item == "--":
             raise ConfigError(f"unexpected argument {item!r}; use --config FILE or --section.field VALUE")
-        key, has_value, value = item[2:].partition("=")
+        key, has_value, given = item[2:].partition("=")
+        value: Any = given
         if not has_value:
             if index + 1 < len(argv) and not argv[index + 1].startswith("--"):
                 value = argv[index + 1]
@@ -431,13 +434,14 @@ def field_docs(cls: Type) -> Dict[str, str]:
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
         for node, following in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                if (
-                    isinstance(following, ast.Expr)
-                    and isinstance(following.value, ast.Constant)
-                    and isinstance(following.value.value, str)
-                ):
-                    docs[node.target.id] = " ".join(following.value.value.split())
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            if (
+                isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(following.value.value.split())
     return docs
 
 
@@ -454,10 +458,10 @@ def _type_name(hint: Any) -> str:
 def _default_text(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         return repr(f.default)
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
         try:
-            return repr(f.default_factory())  # type: ignore[misc]
-        except Exception:  # noqa: BLE001 - help must not fail on a factory
+            return repr(f.default_factory())
+        except Exception:  # help must not fail on a factory
             return "(computed)"
     return "(required)"
 

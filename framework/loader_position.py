@@ -1,7 +1,7 @@
 """Where the train loader stands in an epoch, and whether it can continue mid-epoch after a resume."""
 
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from torch.utils.data import IterableDataset
 

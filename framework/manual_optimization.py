@@ -93,7 +93,7 @@ class ManualOptimization:
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError(
                 "manual_backward(loss) needs a tensor that requires grad; got "
-                + (f"a tensor with requires_grad=False" if isinstance(loss, torch.Tensor) else type(loss).__name__)
+                + ("a tensor with requires_grad=False" if isinstance(loss, torch.Tensor) else type(loss).__name__)
             )
         if self.wrapped is not None:
             self.backend.strategy.prepare_for_backward(self.wrapped, loss)

@@ -171,20 +171,20 @@ class MetricCollector:
         if previous != reduce:
             raise ValueError(f"log({name!r}, reduce={reduce!r}): this metric was logged with reduce={previous!r}")
         if isinstance(value, torch.Tensor):
-            value = value.detach()
-            if hasattr(value, "full_tensor"):  # a DTensor (a sharded model's norm): its value on every rank
-                value = value.full_tensor()
-            if not value.is_floating_point():
-                value = value.to(torch.get_default_dtype())
+            tensor = value.detach()
+            if hasattr(tensor, "full_tensor"):  # a DTensor (a sharded model's norm): its value on every rank
+                tensor = tensor.full_tensor()
+            if not tensor.is_floating_point():
+                tensor = tensor.to(torch.get_default_dtype())
         elif isinstance(value, (int, float)):
-            value = torch.tensor(float(value))
+            tensor = torch.tensor(float(value))
         else:
             raise TypeError(f"log({name!r}, value=...): expected a tensor or a number, got {type(value).__name__}")
-        if value.numel() == 0:
+        if tensor.numel() == 0:
             raise ValueError(f"log({name!r}, value=...): the tensor is empty")
-        if value.numel() != 1:
-            value = value.mean() if reduce == "mean" else getattr(value, reduce)()
-        value = value.reshape(())
+        if tensor.numel() != 1:
+            tensor = tensor.mean() if reduce == "mean" else getattr(tensor, reduce)()
+        value = tensor.reshape(())
         weight = 1.0
         if reduce == "mean":
             weight = float(batch_size if batch_size is not None else (1 if self.batch is None else infer_batch_size(self.batch)))
@@ -251,7 +251,7 @@ _IDENTITY = {"mean": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}
 
 
 def reduce_metrics(
-    collected: Dict[str, Tuple[Any, ...]],
+    collected: Mapping[str, Tuple[Any, ...]],
     all_reduce: Callable[[torch.Tensor, str], torch.Tensor],
     device: Optional[torch.device] = None,
     all_gather_object: Optional[Callable[[Any], List[Any]]] = None,
@@ -279,9 +279,9 @@ def reduce_metrics(
         for rank_specs in all_gather_object({name: (entry.reduce, str(entry.value.dtype)) for name, entry in entries.items()}):
             for name, spec in rank_specs.items():
                 specs.setdefault(name, spec)
-        for name, (reduce, dtype) in sorted(specs.items()):
+        for name, (reduce, dtype_name) in sorted(specs.items()):
             if name not in entries:
-                neutral = torch.tensor(_IDENTITY[reduce], dtype=getattr(torch, dtype.replace("torch.", "")), device=device)
+                neutral = torch.tensor(_IDENTITY[reduce], dtype=getattr(torch, dtype_name.replace("torch.", "")), device=device)
                 entries[name] = Logged(neutral, reduce, 0.0)
         entries = dict(sorted(entries.items()))
     by_reduction: Dict[str, List[str]] = {}

@@ -1,7 +1,7 @@
 """ModuleInterface: what a user implements, and the dispatcher that DDP wraps."""
 
 import abc
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader
@@ -188,7 +188,7 @@ class StepRunner(torch.nn.Module):
     wrapper's ``forward`` and its gradient hooks fire; the user's own ``forward`` stays free.
     """
 
-    _STEP_METHODS = {Stage.TRAIN: "train_step", Stage.VAL: "val_step", Stage.TEST: "test_step"}
+    _STEP_METHODS: ClassVar[Dict[Stage, str]] = {Stage.TRAIN: "train_step", Stage.VAL: "val_step", Stage.TEST: "test_step"}
 
     def __init__(self, module: ModuleInterface) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """Seeding and capturing the random number generators a training run draws from."""
 
 import random
-from typing import Any, Dict
+from typing import Any, Dict, Tuple, cast
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ def capture_rng_state() -> Dict[str, Any]:
         >>> torch.equal(first, torch.rand(1))
         True
     """
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    kind, keys, position, has_gauss, cached_gaussian = cast(Tuple[str, np.ndarray, int, int, float], np.random.get_state())
     version, internal, gauss = random.getstate()
     state = {
         "python": {"version": version, "internal": list(internal), "gauss": gauss},

@@ -14,14 +14,29 @@ def split_along_time(batch: Any, chunk_length: int) -> List[Any]:
         >>> [c[0].shape[1] for c in split_along_time((torch.zeros(2, 5, 3), torch.zeros(2, 5)), 2)]
         [2, 2, 1]
     """
+    chunks = _split(batch, chunk_length)
+    if chunks is None:
+        raise ValueError(
+            f"tbptt_steps={chunk_length} needs a tensor with 2+ dims (batch, time, ...) in the batch; "
+            f"got a batch of type {type(batch).__name__} with none"
+        )
+    return chunks
+
+
+def _split(batch: Any, chunk_length: int) -> Optional[List[Any]]:
+    """The chunks of ``batch``, or None when nothing in it has a time dimension."""
     if isinstance(batch, torch.Tensor):
         return list(batch.split(chunk_length, dim=1)) if batch.dim() >= 2 else None
     if isinstance(batch, dict):
-        parts = {key: split_along_time(value, chunk_length) for key, value in batch.items()}
-        count = _chunk_count(parts.values())
-        return [{key: value[i] if value is not None else batch[key] for key, value in parts.items()} for i in range(count)]
+        by_key = {key: _split(value, chunk_length) for key, value in batch.items()}
+        if all(value is None for value in by_key.values()):
+            return None
+        count = _chunk_count(by_key.values())
+        return [{key: value[i] if value is not None else batch[key] for key, value in by_key.items()} for i in range(count)]
     if isinstance(batch, (list, tuple)):
-        parts = [split_along_time(value, chunk_length) for value in batch]
+        parts = [_split(value, chunk_length) for value in batch]
+        if all(part is None for part in parts):
+            return None
         count = _chunk_count(parts)
         return [type(batch)(p[i] if p is not None else v for p, v in zip(parts, batch)) for i in range(count)]
     return None

@@ -20,8 +20,8 @@ from framework.checkpoint.sharded import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.hooks import HookDispatcher
-from framework.logging_setup import configure_logging
 from framework.loader_position import LoaderPosition
+from framework.logging_setup import configure_logging
 from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
@@ -256,8 +256,10 @@ class Trainer:
         self._end_epoch()
 
     def _report_compile_time(self) -> None:
-        seconds, self._compile_started = time.perf_counter() - self._compile_started, None
-        logger.info("torch.compile: first training step (forward + backward, compilation included) took %.1f s", seconds)
+        started, self._compile_started = self._compile_started, None
+        if started is not None:
+            seconds = time.perf_counter() - started
+            logger.info("torch.compile: first training step (forward + backward, compilation included) took %.1f s", seconds)
 
     def _train_step(self, batches: Iterator[Any], cycle_length: int) -> int:
         """Forward and backward of up to ``cycle_length`` micro-batches, then one optimizer

@@ -2,7 +2,7 @@
 
 import csv
 import os
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable, List, Optional, TextIO
 
 
 class MetricWriter:
@@ -46,18 +46,18 @@ class CSVWriter(MetricWriter):
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._handle = None
-        self._writer = None
+        self._handle: Optional[TextIO] = None
+        self._writer: Optional[csv.DictWriter[str]] = None
 
     def start(self, records: List[Dict[str, Any]]) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._handle = open(self.path, "w", newline="")
-        self._writer = csv.DictWriter(self._handle, fieldnames=self.FIELDS)
-        self._writer.writeheader()
+        self._handle = handle = open(self.path, "w", newline="")  # noqa: SIM115 - open across write() calls; closed in close()
+        self._writer = writer = csv.DictWriter(handle, fieldnames=self.FIELDS)
+        writer.writeheader()
         self.write(records)
 
     def write(self, records: Iterable[Dict[str, Any]]) -> None:
-        if self._writer is None:
+        if self._writer is None or self._handle is None:
             return
         self._writer.writerows(records)
         self._handle.flush()
@@ -91,7 +91,7 @@ class TensorBoardWriter(MetricWriter):
             ) from error
         self.log_dir = log_dir
         self._summary_class = SummaryWriter
-        self._summary = None
+        self._summary: Any = None  # a SummaryWriter once started
 
     def start(self, records: List[Dict[str, Any]]) -> None:
         resumed_step = max((int(record["step"]) for record in records), default=None)

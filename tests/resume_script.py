@@ -36,10 +36,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from toy import ToyModule, flat_parameters  # noqa: E402
+
 from framework import Trainer, TrainerArguments  # noqa: E402
 from framework.callbacks import Callback  # noqa: E402
 from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments  # noqa: E402
-from toy import ToyModule, flat_parameters  # noqa: E402
 
 
 def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -133,7 +133,7 @@ class SlurmCluster:
             output.close()
 
     def _spawn(self, name: str, command: List[str]) -> None:
-        output = open(os.path.join(self.root, "log", f"{name}.stdout"), "w")
+        output = open(os.path.join(self.root, "log", f"{name}.stdout"), "w")  # noqa: SIM115 - open while the daemon runs; closed in stop()
         self._outputs.append(output)
         self.processes[name] = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=self.env)
 

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+
 from distributed import run_ranks
 from toy import ToyModule, flat_parameters
 
@@ -70,6 +71,8 @@ def test_single_process_backends_train_digits(backend, dtype, tmp_path):
     assert result["dtypes"] == {"train": dtype, "val": dtype}  # autocast covers train and val forwards
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ddp_amp_trains_digits(tmp_path):
     rank0, rank1 = run_ranks(train_digits, timeout=90, backend="ddp-amp", output_dir=str(tmp_path))
     assert rank0["world"] == 2

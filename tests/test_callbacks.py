@@ -1,6 +1,7 @@
 """Built-in callbacks: EarlyStopping, TerminateOnNaN, LearningRateMonitor, ModelSummary, Timer,
 ProgressBar; hook order, StopTraining, callback state in checkpoints; 2-rank agreement."""
 
+import functools
 import logging
 import math
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from toy import ToyModule, flat_parameters
+from toy import ToyModule, flat_parameters, toy_args
 
 from framework import Trainer, TrainerArguments, TrainingDiverged
 from framework.callbacks import (
@@ -35,11 +36,7 @@ from framework.metrics import MetricHistory
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def make_args(tmp_path, checkpoints: DefaultCheckpointerArguments = None, **overrides) -> TrainerArguments:
-    """Quiet, seeded arguments that write under tmp_path; no checkpoints unless given."""
-    values = dict(epochs=2, train_batch_size=32, seed=0, disable_tqdm=True, log_level="WARNING", output_dir=str(tmp_path / "run"))
-    values.update(overrides)
-    return TrainerArguments(checkpointer_args=checkpoints or DefaultCheckpointerArguments(period=0, save_at_end=False), **values)
+make_args = functools.partial(toy_args, epochs=2, train_batch_size=32)
 
 
 @contextmanager
@@ -90,7 +87,7 @@ def test_early_stopping_counts_checks_without_improvement_beyond_min_delta():
     stopper.on_log_metrics(40, {"val_accuracy": 0.59})
     stopper.on_log_metrics(50, {"val_accuracy": 0.60})
     assert stopper.trainer.should_stop and stopper.stopped_step == 50
-    assert "val_accuracy did not improve by more than 0.01 for 2 checks (best 0.6 at step 30)" == stopper.reason
+    assert stopper.reason == "val_accuracy did not improve by more than 0.01 for 2 checks (best 0.6 at step 30)"
 
 
 def test_early_stopping_stops_at_once_on_a_nan_metric():
@@ -328,7 +325,7 @@ def test_progress_bar_shows_steps_rate_and_logged_loss(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "epoch 1/1" in err and "8/8" in err and "step/s" in err
     # The loss logged at step 6 is shown from step 7 on (the postfix waits for the next redraw).
-    assert f"7/8 [" in err and f"loss={history.values('train_loss')[-2]:.4f}]" in err
+    assert "7/8 [" in err and f"loss={history.values('train_loss')[-2]:.4f}]" in err
 
 
 def test_progress_bar_resumed_mid_epoch_starts_at_the_resumed_step(tmp_path, capsys):
@@ -399,6 +396,7 @@ def _two_rank_callbacks(rank: int, out: str):
     return stopped, bar.had_bar, guard.stopped_step, nan_trainer.global_steps_finished, finite, messages
 
 
+@pytest.mark.distributed
 def test_two_ranks_agree_on_early_stopping_and_nan_termination(tmp_path):
     rank0, rank1 = run_ranks(_two_rank_callbacks, out=str(tmp_path))
     assert rank0[0] == rank1[0]  # same epoch, step, best and wait on both ranks

@@ -8,9 +8,10 @@ import errno
 import io
 import logging
 import os
+import re
 import struct
 import zipfile
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 import fsspec
 import pytest
@@ -18,6 +19,8 @@ import torch
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 
 from distributed import run_ranks
+from toy import ToyModule
+
 from framework import Trainer, TrainerArguments, TrainingDiverged
 from framework.callbacks import Callback
 from framework.checkpoint import (
@@ -27,11 +30,10 @@ from framework.checkpoint import (
     DefaultCheckpointer,
     DefaultCheckpointerArguments,
     RunDirectoryInUse,
+    storage,
 )
-from framework.checkpoint import storage
 from framework.checkpoint.default import STALE_SUFFIX, checkpoint_name
 from framework.run_directory import check_output_dir_free
-from toy import ToyModule
 
 STEPS_PER_EPOCH = 4  # ToyModule(n_train=128) at batch 32
 
@@ -202,7 +204,7 @@ def test_check_output_dir_free_rules(tmp_path):
     (tmp_path / "tensorboard").mkdir()
     check_output_dir_free(str(tmp_path), resuming=False)  # empty folders hold nothing to lose
     (tmp_path / "checkpoints" / "model-000000003.pt").write_bytes(b"x")
-    with pytest.raises(RunDirectoryInUse, match="checkpoints/model-000000003.pt"):
+    with pytest.raises(RunDirectoryInUse, match=re.escape("checkpoints/model-000000003.pt")):
         check_output_dir_free(str(tmp_path), resuming=False)
     check_output_dir_free(str(tmp_path), resuming=True)
 
@@ -227,6 +229,7 @@ def _ddp_rerun(rank: int, out: str) -> str:
     return "trained"
 
 
+@pytest.mark.distributed
 def test_ddp_rerun_is_refused_on_every_rank(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -405,10 +408,10 @@ class FaultyFileSystem(MemoryFileSystem):
     """
 
     protocol = "faultyfs"
-    store: Dict[str, Any] = {}
-    pseudo_dirs = [""]
-    faults: Dict[str, Any] = {}
-    calls: Dict[str, int] = {}
+    store: ClassVar[Dict[str, Any]] = {}
+    pseudo_dirs: ClassVar[List[str]] = [""]
+    faults: ClassVar[Dict[str, Any]] = {}
+    calls: ClassVar[Dict[str, int]] = {}
 
     @classmethod
     def _strip_protocol(cls, path: Any) -> str:

@@ -3,11 +3,13 @@ hook signatures, and checkpoints that do not fit the resuming run (through real 
 
 import logging
 import os
+import re
 
 import pytest
 import torch
-from toy import ToyModule
 from torch.utils.data import DataLoader
+
+from toy import ToyModule
 
 from framework import Trainer, TrainerArguments, checks
 from framework.callbacks import Callback
@@ -334,8 +336,9 @@ def test_a_missing_key_in_the_trainer_state_names_the_key_and_the_file(tmp_path)
 
 # -- load_weights -----------------------------------------------------------------------------
 def test_load_weights_last_best_step_and_file_without_a_trainer(tmp_path):
-    from framework.checkpoint import load_weights
     from toy import flat_parameters
+
+    from framework.checkpoint import load_weights
 
     directory = str(tmp_path / "ckpt")
     saving = DefaultCheckpointerArguments(save_dir=directory, period=1)
@@ -362,7 +365,7 @@ def test_load_weights_last_best_step_and_file_without_a_trainer(tmp_path):
     from_export = ToyModule(seed=5)
     load_weights(from_export, export)
     assert torch.equal(flat_parameters(from_export), trained)
-    with pytest.raises(FileNotFoundError, match="checkpoint-000000005.pt' does not exist"):
+    with pytest.raises(FileNotFoundError, match=re.escape("checkpoint-000000005.pt' does not exist")):
         load_weights(ToyModule(), directory, step=5)
     with pytest.raises(ValueError, match=r"no checkpoint in .* has a recorded 'accuracy'"):
         load_weights(ToyModule(), directory, step="best", metric="accuracy")

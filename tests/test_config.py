@@ -7,6 +7,7 @@ from typing import List, Literal, Optional, Tuple, Union
 
 import pytest
 import yaml
+
 from toy import ToyModule
 
 from framework import Trainer, TrainerArguments

@@ -4,6 +4,7 @@ checkpoints, ordered samplers resume, and worker randomness survives a resume.""
 
 import collections
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any, Dict, List, NamedTuple
@@ -14,26 +15,14 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from distributed import run_ranks
-from toy import ToyModule, flat_parameters, make_classification
+from toy import ToyModule, flat_parameters, make_classification, toy_args
 
 from backends import map_tensors
 from backends.batch import move_to_device
-from framework import ModuleInterface, Trainer, TrainerArguments
+from framework import Trainer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
-
-def make_args(out, **overrides) -> TrainerArguments:
-    values = dict(
-        epochs=1,
-        train_batch_size=8,
-        seed=0,
-        disable_tqdm=True,
-        log_level="WARNING",
-        output_dir=str(out),
-        checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
-    )
-    values.update(overrides)
-    return TrainerArguments(**values)
+make_args = functools.partial(toy_args, train_batch_size=8)
 
 
 # -- batches of any container ---------------------------------------------------------------
@@ -136,6 +125,8 @@ def _stream_rank(rank, out, sized):
     return module.seen, trainer.global_steps_finished
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("sized", [False, True])
 def test_two_ranks_train_on_distinct_shards_of_a_stream(tmp_path, sized):
     (seen0, steps0), (seen1, steps1) = run_ranks(_stream_rank, out=str(tmp_path), sized=sized)
@@ -255,7 +246,7 @@ def test_a_stream_with_state_resumes_mid_epoch_exactly(tmp_path):
         return module, trainer
 
     reference, _ = run("reference", save_at_end=False)
-    stopped, _ = run("stopped", max_steps=11, save_at_end=True)  # 8 steps per epoch: stops mid-epoch 2
+    _stopped, _ = run("stopped", max_steps=11, save_at_end=True)  # 8 steps per epoch: stops mid-epoch 2
     assert checkpoints_in(tmp_path / "ckpt") == ["checkpoint-000000011.pt"]
     resumed, trainer = run("resumed", resume="auto", save_at_end=False)
     assert trainer.global_steps_finished == 16
@@ -316,6 +307,7 @@ def _ordered_rank(rank, out):
     return module.seen
 
 
+@pytest.mark.distributed
 def test_an_ordered_sampler_keeps_each_ranks_share_in_order(tmp_path):
     seen0, seen1 = run_ranks(_ordered_rank, out=str(tmp_path))
     assert seen0 == {0: list(range(0, 64, 2)), 1: list(range(0, 64, 2))}

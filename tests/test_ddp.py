@@ -6,6 +6,7 @@ tests below check its results against single-process runs in the test process.
 
 import glob
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -14,10 +15,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import free_port, run_ranks
-from toy import ToyModule, flat_parameters
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
+
+from distributed import free_port, run_ranks
+from toy import ToyModule, flat_parameters
 
 from backends import DDP, FullPrecision, ResumableSampler, TrainerBackend
 from framework import Trainer, TrainerArguments
@@ -189,6 +191,7 @@ def sp_run(tmp_path_factory):
     return _summary(trainer, module)
 
 
+@pytest.mark.distributed
 def test_ddp_matches_sp_with_accumulation_and_clipping(ddp_run, sp_run):
     for result in ddp_run["ranks"]:
         parity = result["parity"]
@@ -199,12 +202,14 @@ def test_ddp_matches_sp_with_accumulation_and_clipping(ddp_run, sp_run):
     assert not torch.equal(sp_run["params"], flat_parameters(IndexedToy()))  # it did train
 
 
+@pytest.mark.distributed
 def test_no_sync_all_reduces_once_per_optimizer_step(ddp_run):
     for result in ddp_run["ranks"]:
         assert result["parity"]["accumulation"] == 2
         assert result["parity"]["allreduces"] == result["parity"]["steps"] == 16
 
 
+@pytest.mark.distributed
 def test_history_is_averaged_over_ranks_and_identical_on_every_rank(ddp_run, sp_run):
     rank0, rank1 = (result["parity"]["history"] for result in ddp_run["ranks"])
     assert rank0 == rank1
@@ -215,6 +220,7 @@ def test_history_is_averaged_over_ranks_and_identical_on_every_rank(ddp_run, sp_
         assert value == pytest.approx(expected, rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.distributed
 def test_validation_outputs_are_each_sample_once_in_dataset_order(ddp_run, sp_run):
     for result in ddp_run["ranks"]:
         losses, correct, index = result["parity"]["val_outputs"]
@@ -223,6 +229,7 @@ def test_validation_outputs_are_each_sample_once_in_dataset_order(ddp_run, sp_ru
         assert torch.equal(correct, sp_run["val_outputs"][1])
 
 
+@pytest.mark.distributed
 def test_sampler_shuffles_per_epoch_and_shards_one_permutation(ddp_run, sp_run):
     rank0, rank1 = (result["parity"]["seen"] for result in ddp_run["ranks"])
     for epoch in (0, 1):
@@ -247,6 +254,7 @@ def test_distributed_sampler_same_order_on_every_rank_new_order_every_epoch():
     assert epoch0 != epoch1
 
 
+@pytest.mark.distributed
 def test_uneven_data_does_not_hang(ddp_run):
     rank0, rank1 = (result["uneven"] for result in ddp_run["ranks"])
     # rank 0: 125 samples = 16 micro-batches, rank 1: 105 = 14; both run the shorter 14 (7 steps).
@@ -257,12 +265,14 @@ def test_uneven_data_does_not_hang(ddp_run):
     assert indices.tolist() == list(range(N_VAL))
 
 
+@pytest.mark.distributed
 def test_fewer_validation_samples_than_ranks(ddp_run):
     for result in ddp_run["ranks"]:
         losses, correct, index = result["tiny_val"]["val_outputs"]
         assert index.tolist() == [0] and losses.shape == correct.shape == (1,)
 
 
+@pytest.mark.distributed
 def test_uneven_iterable_loaders_without_length_do_not_hang(ddp_run):
     rank0, rank1 = (result["stream"] for result in ddp_run["ranks"])
     # rank 1 runs out after 64 samples (8 micro-batches = 4 steps); rank 0 stops with it.
@@ -271,6 +281,7 @@ def test_uneven_iterable_loaders_without_length_do_not_hang(ddp_run):
     torch.testing.assert_close(rank0["params"], rank1["params"], rtol=0, atol=0)
 
 
+@pytest.mark.distributed
 def test_find_unused_parameters_is_passed_to_ddp(ddp_run):
     for result in ddp_run["ranks"]:
         assert result["unused"]["flag"] is True
@@ -279,6 +290,7 @@ def test_find_unused_parameters_is_passed_to_ddp(ddp_run):
     torch.testing.assert_close(rank0, rank1, rtol=0, atol=0)
 
 
+@pytest.mark.distributed
 def test_rank_zero_alone_writes_files(ddp_run):
     tmp = ddp_run["tmp"]
     assert os.path.exists(os.path.join(tmp, "rank0", "metrics.csv"))
@@ -292,6 +304,7 @@ def _torchrun(*arguments: str, env=None, timeout: float = 90, cwd: str = ROOT) -
     return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.distributed
 def test_example_runs_under_torchrun_and_only_rank_zero_prints(tmp_path):
     logs = tmp_path / "logs"
     result = _torchrun(
@@ -313,7 +326,7 @@ def test_example_runs_under_torchrun_and_only_rank_zero_prints(tmp_path):
     outputs = {}
     for rank in (0, 1):
         [directory] = glob.glob(str(logs / "**" / str(rank)), recursive=True)
-        outputs[rank] = "".join(open(os.path.join(directory, name)).read() for name in ("stdout.log", "stderr.log"))
+        outputs[rank] = "".join(pathlib.Path(directory, name).read_text() for name in ("stdout.log", "stderr.log"))
     assert "final val_accuracy=" in outputs[0] and "INFO framework] epoch 2/2" in outputs[0]
     # Rank 1 prints nothing of its own: no log lines, progress, or results (torch's own
     # c10d warnings, if any, are not the framework's).
@@ -339,13 +352,14 @@ print(f"rank={{trainer.backend.rank}} world={{trainer.backend.world_size}} steps
 """
 
 
+@pytest.mark.distributed
 def test_two_torchrun_launchers_train_together_as_two_nodes(tmp_path):
     script = tmp_path / "multinode.py"
     script.write_text(MULTI_NODE_SCRIPT.format(tests=os.path.join(ROOT, "tests"), out=str(tmp_path / "out")))
     port = free_port()
     common = ["--nnodes=2", "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
     environment = dict(os.environ, OMP_NUM_THREADS="1")
-    logs = [open(tmp_path / f"node{node}.log", "w") for node in (0, 1)]
+    logs = [open(tmp_path / f"node{node}.log", "w") for node in (0, 1)]  # noqa: SIM115 - the launchers' output; closed below
     launchers = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={node}", str(script)],

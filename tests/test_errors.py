@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from toy import ToyModule
 
 from framework import Trainer, TrainerArguments

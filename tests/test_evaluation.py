@@ -1,15 +1,17 @@
 """Evaluation metrics are exact: means weighted by batch size, equal on one process and on 2
 gloo ranks, float64 kept, dict outputs in the same shape, and a rank without batches joins."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from distributed import run_ranks
+from toy import toy_args
 
-from framework import ModuleInterface, Trainer, TrainerArguments
-from framework.checkpoint.arguments import DefaultCheckpointerArguments
+from framework import ModuleInterface, Trainer
 
 
 class Scored(ModuleInterface):
@@ -63,26 +65,12 @@ class Scored(ModuleInterface):
         return {"acc": (logits.argmax(1) == y).double().mean().item(), "loss": F.cross_entropy(logits.double(), y).item()}
 
 
-def make_args(out, backend="sp", **overrides) -> TrainerArguments:
-    values = dict(
-        epochs=1,
-        train_batch_size=16,
-        val_batch_size=8,
-        seed=0,
-        disable_tqdm=True,
-        log_level="ERROR",
-        output_dir=out,
-        backend=backend,
-        ddp_timeout=30,
-        checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
-    )
-    values.update(overrides)
-    return TrainerArguments(**values)
+make_args = functools.partial(toy_args, train_batch_size=16, val_batch_size=8, log_level="ERROR", ddp_timeout=30)
 
 
 def _validate(out, backend="sp", rank=0, **module_args):
     module = Scored(**module_args)
-    trainer = Trainer(module, make_args(out, backend))
+    trainer = Trainer(module, make_args(out, backend=backend))
     metrics = trainer.validate()
     trainer.close()
     return metrics, module.truth(), module.seen
@@ -107,6 +95,8 @@ def _two_ranks(rank, out, **module_args):
     return metrics, truth, seen
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_ranks_give_the_metrics_and_outputs_of_one_process(tmp_path):
     single, truth, single_seen = _validate(str(tmp_path / "sp"), returns="dict")
     per_rank = run_ranks(_two_ranks, out=str(tmp_path / "ddp"), returns="dict")
@@ -123,6 +113,8 @@ def test_two_ranks_give_the_metrics_and_outputs_of_one_process(tmp_path):
     assert single["acc"] == pytest.approx(truth["acc"], abs=1e-7)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_rank_without_validation_batches_does_not_hang(tmp_path):
     # One sample on two ranks: rank 1 runs no val_step and logs nothing.
     per_rank = run_ranks(_two_ranks, timeout=60, out=str(tmp_path), n_val=1)

@@ -5,11 +5,15 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch.distributed as dist
+
 from distributed import free_port, run_ranks
 from toy import ToyModule
 
 from framework import Trainer, TrainerArguments
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAIL_STEP = 3
@@ -32,8 +36,8 @@ class FailingToy(ToyModule):
         return super().train_step(global_step, batch, device)
 
 
-def _args(**overrides) -> TrainerArguments:
-    values = dict(epochs=2, train_batch_size=16, backend="ddp", disable_tqdm=True, log_every_n_steps=1, output_dir="unused")
+def _args(output_dir: str, **overrides) -> TrainerArguments:
+    values = dict(epochs=2, train_batch_size=16, backend="ddp", disable_tqdm=True, log_every_n_steps=1, output_dir=output_dir)
     values.update(overrides)
     return TrainerArguments(**values)
 
@@ -76,7 +80,7 @@ def failing_rank(rank: int, tmp: str, mode: str, stall_seconds: float = 0.0, ddp
     try:
         trainer.train()
         error = None
-    except Exception as caught:  # noqa: BLE001 - the test inspects it
+    except Exception as caught:  # the test inspects it
         error = f"{type(caught).__name__}: {caught}"
     return {
         "error": error,

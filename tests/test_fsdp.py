@@ -12,12 +12,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+
 from distributed import run_ranks
 from tiny_transformer import TinyTransformer
-from toy import ToyModule, flat_parameters
 
 from framework import Trainer, TrainerArguments
-from framework.checkpoint import DefaultCheckpointer, ShardedCheckpointer
+from framework.checkpoint import DefaultCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
 EPOCHS, STEPS_PER_EPOCH = 2, 4  # 64 samples / global batch 16
@@ -109,6 +109,7 @@ def max_difference(first: dict, second: dict) -> float:
     return max((first[name] - second[name]).abs().max().item() for name in first)
 
 
+@pytest.mark.distributed
 def test_fsdp_matches_ddp_with_accumulation_clipping_and_scheduler(runs):
     _, (rank0, rank1) = runs
     assert max_difference(rank0["ddp"], rank0["fsdp"]) <= 1e-5
@@ -118,6 +119,7 @@ def test_fsdp_matches_ddp_with_accumulation_clipping_and_scheduler(runs):
     assert fsdp_norm == pytest.approx(ddp_norm, rel=1e-5) and fsdp_norm > 0.2  # norms over all shards; clipping bit
 
 
+@pytest.mark.distributed
 def test_each_rank_holds_half_of_parameters_and_optimizer_state(runs):
     _, ranks = runs
     for result in ranks:
@@ -127,6 +129,7 @@ def test_each_rank_holds_half_of_parameters_and_optimizer_state(runs):
     assert ranks[0]["checkpointer"] == "ShardedCheckpointer"
 
 
+@pytest.mark.distributed
 def test_sharded_checkpoint_layout_and_full_weight_export(runs):
     out, (rank0, rank1) = runs
     directory = os.path.join(out, "fsdp", "checkpoints", f"checkpoint-{EPOCHS * STEPS_PER_EPOCH:09d}")
@@ -139,6 +142,7 @@ def test_sharded_checkpoint_layout_and_full_weight_export(runs):
     inference.load_state_dict(exported)  # a plain module takes the full weights
 
 
+@pytest.mark.distributed
 def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     out, (rank0, _) = runs
     stopped = os.path.join(out, "stopped")
@@ -154,6 +158,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     assert max_difference(full_weights(trainer), rank0["fsdp"]) <= 1e-5
 
 
+@pytest.mark.distributed
 def test_one_rank_checkpoint_resumes_on_two_ranks(runs):
     _, (rank0, rank1) = runs
     assert rank0["grown_step"] == EPOCHS * STEPS_PER_EPOCH

@@ -1,23 +1,22 @@
 """Loop control: duration limits, evaluation schedule, schedulers, closures, TBPTT, gradients."""
 
+import functools
 import math
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from toy import ToyModule
 from torch.utils.data import TensorDataset
 
-from framework import Trainer, TrainerArguments
+from toy import ToyModule, toy_args
+
+from framework import Trainer
 from framework.callbacks import Callback, StopTraining
 from framework.tbptt import split_along_time
 
-
-def make_args(tmp_path, **overrides):
-    defaults = dict(disable_tqdm=True, output_dir=str(tmp_path / "out"), train_batch_size=16)
-    defaults.update(overrides)
-    return TrainerArguments(**defaults)
+# These tests run with the library's own seed, log level and checkpointing.
+make_args = functools.partial(toy_args, train_batch_size=16, seed=42, log_level="INFO", checkpointer_args={})
 
 
 def test_max_time_stops_training(tmp_path):
@@ -67,7 +66,7 @@ def test_fast_dev_run_touches_every_hook_and_writes_nothing(tmp_path):
     trainer.train()
     assert seen == ["train", ("val", 16), "end"]
     assert trainer.global_steps_finished == 1
-    assert not os.path.exists(tmp_path / "out")
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_sanity_validation_runs_before_training_without_recording(tmp_path):
@@ -181,6 +180,13 @@ def test_split_along_time_keeps_structure():
     chunks = split_along_time({"x": torch.zeros(2, 7, 3), "lengths": torch.ones(2), "name": "a"}, 3)
     assert [c["x"].shape[1] for c in chunks] == [3, 3, 1]
     assert all(c["lengths"].shape == (2,) and c["name"] == "a" for c in chunks)
+
+
+def test_split_along_time_without_a_time_dimension_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"tbptt_steps=3 needs a tensor with 2\+ dims .* got a batch of type tuple with none"):
+        split_along_time((torch.ones(4), torch.zeros(4)), 3)
+    nested = split_along_time((torch.zeros(2, 4), (torch.ones(2), "id")), 2)  # parts without time are repeated
+    assert [len(chunk[1]) for chunk in nested] == [2, 2]
 
 
 def test_clip_grad_value_bounds_the_update(tmp_path):

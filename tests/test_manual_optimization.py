@@ -18,7 +18,7 @@ from framework.checkpoint import DefaultCheckpointerArguments
 from framework.rng import seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from gan import DigitsGAN, GANArguments  # noqa: E402
+from gan import DigitsGAN, GANArguments
 
 SEED, BATCH, SAMPLES, EPOCHS = 3, 32, 256, 2
 CONFIG = GANArguments(latent_size=8, hidden_size=32, learning_rate=1e-3, discriminator_max_norm=0.5)
@@ -124,6 +124,8 @@ def ddp_gan(rank: int, tmp: str) -> List[float]:
     return flat_parameters(trainer.module).tolist()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_gan_on_two_ddp_ranks_matches_a_plain_loop(tmp_path):
     rank0, rank1 = run_ranks(ddp_gan, tmp=str(tmp_path))
     assert rank0 == rank1
@@ -138,6 +140,8 @@ def ddp_amp_gan(rank: int, tmp: str) -> Dict[str, Any]:
     return {"params": flat_parameters(trainer.module).tolist(), "losses": trainer.history.values("discriminator_loss")}
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_gan_on_ddp_amp_trains_in_step_on_both_ranks(tmp_path):
     rank0, rank1 = run_ranks(ddp_amp_gan, tmp=str(tmp_path))
     assert rank0["params"] == rank1["params"] and torch.isfinite(torch.tensor(rank0["params"])).all()

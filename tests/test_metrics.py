@@ -2,6 +2,7 @@
 steps and over 2 gloo ranks; CSV and TensorBoard writers; writers after train()."""
 
 import csv
+import functools
 import os
 
 import pytest
@@ -9,26 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
-from toy import ToyModule
+from toy import ToyModule, toy_args
 
 import framework.trainer as trainer_module
 from framework import Trainer, TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.metrics import MetricCollector, reduce_metrics
 
-
-def make_args(tmp_path, **overrides) -> TrainerArguments:
-    values = dict(
-        epochs=1,
-        train_batch_size=32,
-        seed=0,
-        disable_tqdm=True,
-        log_level="WARNING",
-        output_dir=str(tmp_path / "run"),
-        checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
-    )
-    values.update(overrides)
-    return TrainerArguments(**values)
+make_args = functools.partial(toy_args, train_batch_size=32)
 
 
 def assert_series(actual, expected):
@@ -155,7 +144,9 @@ def test_logged_values_reach_history_at_log_points_and_epoch_end(tmp_path, monke
         history.steps("train_acc_epoch"), [(8, sum(a for _, a, _ in epochs[0]) / 8), (16, sum(a for _, a, _ in epochs[1]) / 8)]
     )
     assert history.steps("samples") == [(8, 256.0), (16, 256.0)]
-    assert_series(history.steps("max_loss"), [(8, max(l for _, _, l in epochs[0])), (16, max(l for _, _, l in epochs[1]))])
+    assert_series(
+        history.steps("max_loss"), [(8, max(loss for _, _, loss in epochs[0])), (16, max(loss for _, _, loss in epochs[1]))]
+    )
     assert history.steps("epoch_hook") == [(8, 7.0), (16, 7.0)]
     # evaluation values: per loader, with the loader's name.
     assert history.steps("val_samples/set0") == history.steps("val_samples/set1") == [(8, 64.0), (16, 64.0)]
@@ -237,6 +228,8 @@ def _two_rank_metrics(rank: int, out: str):
     return history.records, os.path.exists(os.path.join(out, "metrics.csv"))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_ranks_reduce_logged_values_across_ranks(tmp_path):
     (records0, wrote0), (records1, _) = run_ranks(_two_rank_metrics, out=str(tmp_path))
     assert records0 == records1 and wrote0  # identical histories; rank 0 wrote the CSV

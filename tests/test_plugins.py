@@ -9,6 +9,7 @@ import tempfile
 import textwrap
 
 import pytest
+
 from toy import ToyModule
 
 import backends.registry as registry
@@ -91,7 +92,7 @@ def test_register_subclass_and_factory_then_select_by_name():
     def factory() -> TrainerBackend:
         return TrainerBackend(SingleProcess(), FullPrecision())
 
-    assert available_backends() == sorted(BUILT_INS + ["sp-factory", "sp-subclass"])
+    assert available_backends() == sorted([*BUILT_INS, "sp-factory", "sp-subclass"])
     assert type(build_backend("sp-subclass")) is SubclassBackend
     assert build_backend("sp-factory") is not build_backend("sp-factory")  # a new instance each time
     trainer = Trainer(ToyModule(), _args(backend="sp-subclass"))
@@ -128,7 +129,7 @@ def test_invalid_registrations_are_refused():
     register_backend("returns-wrong-type", lambda: "sp")
     with pytest.raises(TypeError, match="factory for 'returns-wrong-type' returned str, not a TrainerBackend"):
         build_backend("returns-wrong-type")
-    with pytest.raises(TypeError, match="strategy must be a backends.Strategy"):
+    with pytest.raises(TypeError, match=re.escape("strategy must be a backends.Strategy")):
         TrainerBackend("ddp")
     registry.unregister_backend("returns-wrong-type")
     assert "returns-wrong-type" not in available_backends()
@@ -175,7 +176,7 @@ def test_entry_point_package_is_found_and_selected_by_name(plugin_dir):
     finally:
         log.removeHandler(capture)
         log.setLevel(old_level)
-    assert available_backends() == sorted(BUILT_INS + ["step-counting"])
+    assert available_backends() == sorted([*BUILT_INS, "step-counting"])
     # The broken entry point and the one claiming 'sp' are reported, not fatal.
     assert any("'broken-plugin'" in message and "failed to load" in message for message in capture.messages)
     assert any("'sp'" in message and "already registered" in message for message in capture.messages)
@@ -211,7 +212,8 @@ def test_entry_point_is_discovered_at_first_lookup_in_a_fresh_process(plugin_dir
 
 
 def _docs_example() -> str:
-    text = open(os.path.join(ROOT, "docs", "backends.md")).read()
+    with open(os.path.join(ROOT, "docs", "backends.md")) as handle:
+        text = handle.read()
     after_marker = text.split("<!-- tested: tests/test_plugins.py -->", 1)[1]
     return textwrap.dedent(after_marker.split("```python\n", 1)[1].split("```", 1)[0])
 

@@ -17,8 +17,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments
-from framework.checkpoint import storage
+from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments, storage
+
+pytestmark = pytest.mark.slow  # each test trains in several fresh processes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")

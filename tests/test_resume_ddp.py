@@ -16,7 +16,10 @@ import subprocess
 import sys
 from typing import Any, Dict
 
+import pytest
 import torch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")

@@ -9,8 +9,12 @@ import sys
 
 import pytest
 import torch
+
 from distributed import free_port
 from slurm_cluster import slurm_cluster  # noqa: F401 (the fixture)
+
+# A real one-node Slurm cluster (tests/slurm_cluster.py) whose jobs start 2-rank process groups.
+pytestmark = [pytest.mark.slurm, pytest.mark.distributed]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "run.py")
@@ -185,6 +189,7 @@ srun {python} {script} {out} --backend ddp --step-sleep 0.05
 """
 
 
+@pytest.mark.slow
 def test_usr1_saves_requeues_and_the_requeued_job_ends_like_an_uninterrupted_run(slurm_cluster, tmp_path):  # noqa: F811
     reference = str(tmp_path / "reference")
     result = slurm_cluster.run(["srun", "--ntasks=2", sys.executable, RESUME_SCRIPT, reference, "--backend", "ddp"], cwd=ROOT)

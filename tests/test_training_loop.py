@@ -1,22 +1,21 @@
 """The core loop on the sp backend: parity with a hand-written loop, counting, hooks, metrics."""
 
 import csv
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from toy import ToyModule, flat_parameters
 from torch.utils.data import DataLoader
 
-from framework import Stage, Trainer, TrainerArguments
+from toy import ToyModule, flat_parameters, toy_args
+
+from framework import Stage, Trainer
 from framework.callbacks import Callback
 
-
-def make_args(tmp_path, **overrides):
-    defaults = dict(disable_tqdm=True, output_dir=str(tmp_path / "out"), log_every_n_steps=2)
-    defaults.update(overrides)
-    return TrainerArguments(**defaults)
+# These tests run with the library's own seed, log level and checkpointing.
+make_args = functools.partial(toy_args, log_every_n_steps=2, seed=42, log_level="INFO", checkpointer_args={})
 
 
 def hand_written_loop(module: ToyModule, epochs: int, batch: int, micro: int, max_norm: float, seed: int) -> None:
@@ -170,7 +169,7 @@ def test_metrics_history_and_csv(tmp_path):
     history = trainer.train()
     assert [step for step, _ in history.steps("train_loss")] == [4, 8, 12, 16]
     assert len(history.values("val_loss")) == 2 and history.values("val_loss")[1] < history.values("val_loss")[0] + 0.5
-    with open(tmp_path / "out" / "metrics.csv") as handle:
+    with open(tmp_path / "run" / "metrics.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert [(int(r["step"]), r["name"], float(r["value"])) for r in rows] == [
         (r["step"], r["name"], r["value"]) for r in history.records

@@ -1,12 +1,14 @@
 """Small modules and data shared by the tests (generated, never downloaded)."""
 
-from typing import Any, Dict, Optional
+import os
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from framework import ModuleInterface
+from framework import ModuleInterface, TrainerArguments
+from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
 
 def make_classification(n: int = 256, features: int = 16, classes: int = 4, seed: int = 0) -> TensorDataset:
@@ -95,3 +97,25 @@ class ToyModule(ModuleInterface):
 def flat_parameters(module: torch.nn.Module) -> torch.Tensor:
     """Every parameter, flattened and concatenated (for comparisons)."""
     return torch.cat([p.detach().reshape(-1).cpu() for p in module.parameters()])
+
+
+def toy_args(
+    directory: Union[str, "os.PathLike[str]"], checkpoints: Optional[DefaultCheckpointerArguments] = None, **overrides: Any
+) -> TrainerArguments:
+    """Arguments for a quiet, seeded test run that writes only under ``<directory>/run``.
+
+    Defaults: one epoch, seed 0, no progress bar, warnings only, and no checkpoints unless
+    ``checkpoints`` (or ``checkpointer_args``) is given. Any ``TrainerArguments`` field can be
+    overridden. A test file with its own defaults binds them once, e.g.
+    ``make_args = functools.partial(toy_args, epochs=2)``.
+    """
+    values: Dict[str, Any] = dict(
+        epochs=1,
+        seed=0,
+        disable_tqdm=True,
+        log_level="WARNING",
+        output_dir=os.path.join(os.fspath(directory), "run"),
+        checkpointer_args=checkpoints or DefaultCheckpointerArguments(period=0, save_at_end=False),
+    )
+    values.update(overrides)
+    return TrainerArguments(**values)

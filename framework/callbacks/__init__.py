@@ -15,11 +15,11 @@ from framework.callbacks.timer import Timer
 
 __all__ = [
     "Callback",
-    "StopTraining",
     "EarlyStopping",
     "LearningRateMonitor",
     "ModelSummary",
     "ProgressBar",
+    "StopTraining",
     "TerminateOnNaN",
     "Timer",
 ]

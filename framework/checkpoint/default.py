@@ -106,26 +106,26 @@ class StagingBuffers:
             if source.layout != torch.strided or source.is_quantized or type(source) is not torch.Tensor:
                 copied = source.to("cpu", copy=True)
             else:
-                copied = self._buffers.get(path)
+                buffer = self._buffers.get(path)
                 if (
-                    copied is None
-                    or copied.shape != source.shape
-                    or copied.dtype != source.dtype
-                    or copied.stride() != source.stride()
+                    buffer is None
+                    or buffer.shape != source.shape
+                    or buffer.dtype != source.dtype
+                    or buffer.stride() != source.stride()
                 ):
                     pin = source.is_cuda and torch.cuda.is_available()
-                    copied = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, pin_memory=pin)
-                copied.copy_(source, non_blocking=source.is_cuda)
-                used[path] = copied
+                    buffer = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, pin_memory=pin)
+                buffer.copy_(source, non_blocking=source.is_cuda)
+                used[path] = copied = buffer
             memo[id(obj)] = copied
             return copied
         if isinstance(obj, dict):
-            copied_dict = {key: self._copy(value, path + (key,), used, memo) for key, value in obj.items()}
+            copied_dict = {key: self._copy(value, (*path, key), used, memo) for key, value in obj.items()}
             return collections.OrderedDict(copied_dict) if isinstance(obj, collections.OrderedDict) else copied_dict
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(self._copy(value, path + (index,), used, memo) for index, value in enumerate(obj)))
+            return type(obj)(*(self._copy(value, (*path, index), used, memo) for index, value in enumerate(obj)))
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(value, path + (index,), used, memo) for index, value in enumerate(obj))
+            return type(obj)(self._copy(value, (*path, index), used, memo) for index, value in enumerate(obj))
         return obj
 
 
@@ -306,7 +306,9 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
     def is_step_save_due(self, global_step: int) -> bool:
         every = self.args.save_every_n_steps
-        return bool(every) and global_step % every == 0
+        if not every:
+            return False
+        return global_step % every == 0
 
     def wait(self) -> None:
         self._writer.wait()
@@ -409,7 +411,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
             if self.args.resume == "auto" or self.args.load_dir:
                 logger.info("no checkpoint in %s: starting fresh", self.args.load_dir or self.save_dir)
             return None
-        directory = self.loaded_from.rsplit("/", 1)[0] if "/" in self.loaded_from else "."
+        directory = loaded_directory(self.loaded_from)
         self.resumed_own_run = storage.same_location(directory, self.save_dir)
         score = checkpoint.metrics.get(self.args.metric)
         if self.resumed_own_run and score is not None:
@@ -485,3 +487,11 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
 def _basename(path: str) -> str:
     return path.rsplit("/", 1)[-1]
+
+
+def loaded_directory(loaded_from: Optional[str]) -> str:
+    """The directory of the checkpoint (file or sharded directory) just loaded from ``loaded_from``."""
+    if loaded_from is None:
+        raise RuntimeError("a checkpoint was loaded without recording where from")
+    path = loaded_from.rstrip("/")
+    return path.rsplit("/", 1)[0] if "/" in path else "."

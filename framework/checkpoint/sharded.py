@@ -34,7 +34,7 @@ from framework.checkpoint import storage
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.checkpoint import Checkpoint
-from framework.checkpoint.default import STALE_SUFFIX, DefaultCheckpointer, copy_to_cpu
+from framework.checkpoint.default import STALE_SUFFIX, DefaultCheckpointer, copy_to_cpu, loaded_directory
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +173,14 @@ class ShardedCheckpointer(DefaultCheckpointer):
             tensors = {key: _cpu_copy(tensor) for key, tensor in tensors.items()}
             rest = copy_to_cpu(rest)
             group = self._background_process_group()
-            self._writer.submit(lambda: self._write(name, partial, checkpoint.global_step, tensors, rest, group, agree=False))
+            self._writer.submit(
+                lambda: self._write_shards(name, partial, checkpoint.global_step, tensors, rest, group, agree=False)
+            )
         else:
-            self._write(name, partial, checkpoint.global_step, tensors, rest, None, agree=True)
+            self._write_shards(name, partial, checkpoint.global_step, tensors, rest, None, agree=True)
         return self._url(name)
 
-    def _write(
+    def _write_shards(
         self,
         name: str,
         partial: str,
@@ -310,7 +312,7 @@ class ShardedCheckpointer(DefaultCheckpointer):
                 continue
             if not is_directory:
                 self.loaded_from = source
-            directory = self.loaded_from.rstrip("/").rsplit("/", 1)[0] if "/" in self.loaded_from else "."
+            directory = loaded_directory(self.loaded_from)
             self.resumed_own_run = storage.same_location(directory, self.save_dir)
             score = checkpoint.metrics.get(self.args.metric)
             if self.resumed_own_run and score is not None:
@@ -451,7 +453,7 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _writer(fs: Any, path: str) -> Any:
     if _is_local(fs):
         return dcp.FileSystemWriter(path)
-    from torch.distributed.checkpoint import FsspecWriter
+    from torch.distributed.checkpoint import FsspecWriter  # type: ignore[attr-defined]  # exported at runtime, not in the stubs
 
     return FsspecWriter(fs.unstrip_protocol(path))
 
@@ -459,7 +461,7 @@ def _writer(fs: Any, path: str) -> Any:
 def _reader(fs: Any, path: str) -> Any:
     if _is_local(fs):
         return dcp.FileSystemReader(path)
-    from torch.distributed.checkpoint import FsspecReader
+    from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined]  # exported at runtime, not in the stubs
 
     return FsspecReader(fs.unstrip_protocol(path))
 

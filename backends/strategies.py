@@ -240,9 +240,11 @@ class DDP(Strategy):
     def setup(
         self,
         use_gpu: Optional[bool] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        compile: bool = False,
+        *,
         find_unused_parameters: bool = False,
         ddp_timeout: float = 600.0,
-        cluster_environment: Optional[ClusterEnvironment] = None,
         **options: Any,
     ) -> None:
         """Take the ranks from the cluster environment, pick the device and join the process
@@ -254,7 +256,7 @@ class DDP(Strategy):
         """
         if ddp_timeout is not None and not ddp_timeout > 0:
             raise ValueError(f"ddp_timeout={ddp_timeout!r} is invalid; allowed: seconds > 0")
-        super().setup(use_gpu, cluster_environment=cluster_environment, **options)
+        super().setup(use_gpu, cluster_environment, compile, **options)
         if dist.is_initialized():
             # A process group made by the caller: use its ranks, leave destroying it to the caller.
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

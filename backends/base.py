@@ -154,9 +154,13 @@ class TrainerBackend:
 
     def step_function(self, wrapped: torch.nn.Module, runner: torch.nn.Module) -> Callable[..., Any]:
         """The call the training loop makes for every step, decided once: ``wrapped(*args)``
-        inside the precision's autocast, or, when there is no wrapper (DDP), no autocast and
-        no forward hook (FSDP2 registers its own), the runner's ``forward`` itself."""
-        plain_forward = type(self.precision).forward_context is Precision.forward_context
+        inside the precision's autocast (through :meth:`forward`), or, when there is no wrapper
+        (DDP), no autocast, no forward hook (FSDP2 registers its own) and no overridden
+        :meth:`forward`, the runner's ``forward`` itself."""
+        plain_forward = (
+            type(self).forward is TrainerBackend.forward  # a plugin's own forward is always called
+            and type(self.precision).forward_context is Precision.forward_context
+        )
         if wrapped is runner and plain_forward and not _has_call_hooks(runner):
             return runner.forward
         return lambda *args: self.forward(wrapped, *args)

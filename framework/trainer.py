@@ -29,7 +29,7 @@ from framework.module import ModuleInterface, StepRunner
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
 from framework.run_directory import claim_run_directory
-from framework.schedulers import build_optimizers_schedulers
+from framework.schedulers import LRSchedules, build_optimizers_schedules
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
 from framework.tbptt import split_along_time
@@ -37,8 +37,6 @@ from framework.training_state import PendingRng, TrainingProgress, accumulation_
 from framework.writers import CSVWriter, MetricWriter, TensorBoardWriter
 
 logger = logging.getLogger("framework")
-
-_PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 
 
 class Trainer:
@@ -117,6 +115,7 @@ class Trainer:
         self.should_stop = False
         self.optimizers: List[torch.optim.Optimizer] = []
         self.schedulers: List[Any] = []
+        self.lr_schedules = LRSchedules()  # the schedulers with when each steps (framework/schedulers.py)
         self.manual_optimization: Optional[ManualOptimization] = None
         self._train_loader: Optional[DataLoader] = None
         self._loader_length: Optional[int] = None
@@ -368,8 +367,8 @@ class Trainer:
             if args.clip_grads or args.track_grad_norm or args.clip_grad_value is not None:
                 self._clip_gradients()
         stepped = self.backend.step_optimizers(self.optimizers, closure)
-        if stepped and self.schedulers and args.scheduler_interval == "step":
-            self._step_schedulers()
+        if stepped:
+            self.lr_schedules.step_per_optimizer_step(self.progress.global_steps_finished + 1)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
@@ -382,12 +381,6 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self._parameters, max_norm)
             if args.track_grad_norm:
                 self._metrics.log("grad_norm", grad_norm, on_step=True, on_epoch=True)
-
-    def _step_schedulers(self) -> None:
-        """Step every scheduler but ReduceLROnPlateau (which follows validation)."""
-        for scheduler in self.schedulers:
-            if not isinstance(scheduler, _PLATEAU):
-                scheduler.step()
 
     def _start_epoch(self) -> Iterator[Any]:
         """Position the sampler (and the RNG) where the epoch continues; ``on_begin_train_epoch``."""
@@ -415,8 +408,6 @@ class Trainer:
         if self._preempted or (not epoch_completed and self._should_end_training()):
             return  # stopped mid-epoch: the final checkpoint records the position
         self._end_train_epoch()
-        if self.automatic_optimization and self.args.scheduler_interval == "epoch":
-            self._step_schedulers()
         every = self.args.val_every_n_epochs
         if (
             every
@@ -424,6 +415,9 @@ class Trainer:
             and progress.last_validated_step != progress.global_steps_finished
         ):
             self._evaluate(Stage.VAL)
+        if self.automatic_optimization:  # after the epoch's validation: ReduceLROnPlateau reads it
+            validated = progress.last_validated_step == progress.global_steps_finished
+            self.lr_schedules.step_per_epoch(progress.epochs_finished, self.history, validated)
         self._log_epoch_summary()
         progress.finish_epoch()
         self._agree_on_stopping()
@@ -530,19 +524,8 @@ class Trainer:
         if record and stage is Stage.VAL:
             self.progress.last_validated_step = self.global_steps_finished
             if self.automatic_optimization:
-                self._step_plateau_schedulers()
+                self.lr_schedules.step_after_validation(self.global_steps_finished, self.history)
         return results
-
-    def _step_plateau_schedulers(self) -> None:
-        plateau = [s for s in self.schedulers if isinstance(s, _PLATEAU)]
-        value = self.history.latest(self.args.scheduler_monitor)
-        if plateau and value is None:
-            raise ValueError(
-                f"ReduceLROnPlateau needs the metric scheduler_monitor={self.args.scheduler_monitor!r}, "
-                f"which was not recorded; recorded metrics: {self.history.names()}"
-            )
-        for scheduler in plateau:
-            scheduler.step(value)
 
     # -- metrics --------------------------------------------------------------------------
     def _log_train_metrics(self) -> None:
@@ -627,9 +610,16 @@ class Trainer:
             self._forward = self.backend.step_function(self._wrapped, self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
-            self.optimizers, self.schedulers = build_optimizers_schedulers(
-                self.module, self.estimated_global_steps_per_epoch, self.args.epochs
+            self.optimizers, self.lr_schedules = build_optimizers_schedules(
+                self.module,
+                self.estimated_global_steps_per_epoch,
+                self.args.epochs,
+                default_interval=self.args.scheduler_interval,
+                default_monitor=self.args.scheduler_monitor,
             )
+            self.schedulers = self.lr_schedules.schedulers
+            for line in self.lr_schedules.describe(self.automatic_optimization):
+                logger.info(line)
             self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
             if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
                 raise ValueError(

@@ -18,7 +18,7 @@ from framework.callbacks import Callback
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.schedulers import LRSchedules, ScheduledLR, scheduled_lr
 
-EPOCHS, BATCH, N_TRAIN, LR = 3, 16, 256, 0.05
+EPOCHS, BATCH, N_TRAIN, LR = 3, 16, 128, 0.05
 STEPS_PER_EPOCH = N_TRAIN // BATCH
 
 
@@ -208,7 +208,7 @@ def test_resume_mid_epoch_keeps_frequencies_exact(tmp_path):
     saving = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), period=0, save_at_end=True, resume="auto")
     reference, recorder = Scheduled(dropout=0.1), RecordLR()
     Trainer(reference, make_args(tmp_path / "reference"), callbacks=[recorder]).train()
-    for stop in (20, 32):  # mid-epoch 2 (between frequency points) and the end of epoch 2
+    for stop in (10, 16):  # mid-epoch 2 (between frequency points) and the end of epoch 2
         first = Scheduled(dropout=0.1)
         Trainer(first, make_args(tmp_path / f"first{stop}", max_steps=stop, checkpointer_args=saving)).train()
         resumed, again = Scheduled(dropout=0.1), RecordLR()

@@ -19,6 +19,7 @@ from framework.checkpoint import AbstractCheckpointer, Checkpoint
 from framework.checkpoint.sharded import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
+from framework.evaluation_weights import best_checkpoint_url, load_evaluation_weights
 from framework.hooks import HookDispatcher
 from framework.logging_setup import configure_logging
 from framework.loader_position import LoaderPosition
@@ -26,6 +27,7 @@ from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
 from framework.module import ModuleInterface, StepRunner
+from framework.prediction import Predictor
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
 from framework.run_directory import claim_run_directory
@@ -502,19 +504,41 @@ class Trainer:
         raise TrainingPreempted(signal_name, self.global_steps_finished)
 
     # -- evaluation ---------------------------------------------------------------------
-    def validate(self) -> Dict[str, float]:
-        """Run the validation loaders once; return the recorded metrics."""
-        return self._standalone_evaluation(Stage.VAL)
+    def validate(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
+        """Run the validation loaders once; return the recorded metrics.
 
-    def test(self) -> Dict[str, float]:
-        """Run the test loaders once; return the recorded metrics."""
-        return self._standalone_evaluation(Stage.TEST)
+        ``checkpoint``: None evaluates the current weights; ``"last"``, ``"best"`` or a path
+        loads those weights first, the same file on every rank (see ``docs/evaluation.md``).
+        """
+        return self._standalone_evaluation(Stage.VAL, checkpoint)
 
-    def _standalone_evaluation(self, stage: Stage) -> Dict[str, float]:
+    def test(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
+        """Run the test loaders once; return the recorded metrics (``checkpoint`` as in :meth:`validate`)."""
+        return self._standalone_evaluation(Stage.TEST, checkpoint)
+
+    def predict(self, checkpoint: Optional[str] = None, predictions_dir: Optional[str] = None) -> Any:
+        """Run ``predict_step`` on every sample of ``get_predict_dataloader`` once across ranks.
+
+        Rank zero returns the outputs in dataset order (the other ranks None); with
+        ``predictions_dir`` every rank writes its batches there as it goes and rank zero returns
+        the directory (read it with :func:`framework.prediction.load_predictions`).
+        ``checkpoint`` as in :meth:`validate`. Collective under DDP: call it on every rank.
+        """
+        load_evaluation_weights(self, checkpoint, "predict")
+        batch_size = self.args.val_batch_size or self.train_step_batch_size
+        return Predictor(self.module, self.backend, self.args).run(self.global_steps_finished, batch_size, predictions_dir)
+
+    def best_checkpoint(self) -> Optional[str]:
+        """URL of the best checkpoint by ``checkpointer_args.metric``, on every rank (collective under DDP)."""
+        return best_checkpoint_url(self.checkpointer, self.backend)
+
+    def _standalone_evaluation(self, stage: Stage, checkpoint: Optional[str] = None) -> Dict[str, float]:
+        load_evaluation_weights(self, checkpoint, "validate" if stage is Stage.VAL else "test")
         self._prepare_callbacks()
         self._start_writers()
-        try:
-            return self._evaluate(stage)
+        try:  # no scheduler steps, no progress counters: this is not training
+            batch_size = self.args.val_batch_size or self.train_step_batch_size
+            return self.evaluator.run(stage, self.global_steps_finished, batch_size)
         finally:
             self._close_writers()
 

@@ -31,6 +31,7 @@ from framework.prediction import Predictor
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
 from framework.run_directory import claim_run_directory
+from framework.sample_randomness import LoaderSeeding
 from framework.schedulers import LRSchedules, build_optimizers_schedules
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
@@ -122,6 +123,7 @@ class Trainer:
         self._train_loader: Optional[DataLoader] = None
         self._loader_length: Optional[int] = None
         self._loader_position: Optional[LoaderPosition] = None
+        self._loader_seeding: Optional[LoaderSeeding] = None  # loader seeds and sample_generator's epoch
         self._stream_ended = False  # a stream without a length ran out in this epoch
         self._runner = StepRunner(module)
         self._wrapped: Optional[torch.nn.Module] = None
@@ -396,6 +398,7 @@ class Trainer:
         if progress.batches_finished_in_epoch == 0:
             self._pending_rng.apply()
             self.losses.start_epoch()
+        self._loader_seeding.start_epoch(progress.epochs_finished)  # before iter: seeds its workers
         batches = iter(self._train_loader)
         self._pending_rng.apply()
         self._kept_outputs = []
@@ -626,6 +629,7 @@ class Trainer:
         self._loader_length = None if length is None else self.backend.strategy.min_over_ranks(length)
         checks.check_train_loader_not_empty(self._train_loader, self._loader_length, self.train_step_batch_size)
         self._loader_position = LoaderPosition(self._train_loader)
+        self._loader_seeding = LoaderSeeding(self._train_loader, self.args.seed)
 
     def _setup_training(self) -> None:
         self._create_train_loader()
@@ -663,6 +667,7 @@ class Trainer:
             self._restored = True
             if self.checkpointing_enabled:
                 self._loader_position.warn_if_not_resumable()
+                self._loader_seeding.warn_about_worker_randomness(self._loader_position.resumable_mid_epoch)
             if not self.args.fast_dev_run:  # before anything is written: never overwrite another run's files
                 claim_run_directory(self.args.output_dir, self.checkpointer, self.backend)
             self._restore_checkpoint()

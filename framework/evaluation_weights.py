@@ -90,6 +90,7 @@ def load_evaluation_weights(trainer: Any, checkpoint: CheckpointChoice, method: 
     )
     if not trainer.backend.is_main_process:
         load_weights(module, url)
+    trainer.__dict__["_loaded_evaluation_weights"] = url  # later calls with checkpoint=None use these: no warning
     logger.info("%s: evaluating the weights of %s", method, url)
     return url
 
@@ -128,7 +129,8 @@ def _resume_source(checkpointer: Any) -> Union[str, None]:
 
 
 def _warn_if_untrained(trainer: Any, method: str) -> None:
-    if trainer.global_steps_finished or getattr(trainer, "_restored", False) or not trainer.is_main_process:
+    loaded = getattr(trainer, "_restored", False) or trainer.__dict__.get("_loaded_evaluation_weights")
+    if trainer.global_steps_finished or loaded or not trainer.is_main_process:
         return
     try:
         source = _resume_source(trainer.checkpointer)

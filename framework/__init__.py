@@ -9,6 +9,7 @@ from framework.loss_tracker import TrainingDiverged
 from framework.module import ModuleInterface
 from framework.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from framework.rng import seed_everything
+from framework.sample_randomness import sample_generator, sample_seed
 from framework.stage import Stage
 from framework.trainer import Trainer
 
@@ -21,5 +22,7 @@ __all__ = [
     "TrainingDiverged",
     "TrainingPreempted",
     "seed_everything",
+    "sample_generator",
+    "sample_seed",
 ]
 __version__ = "0.1.0"

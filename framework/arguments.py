@@ -60,9 +60,9 @@ class TrainerArguments:
     track_grad_norm: bool = False
     """Record the total gradient norm (before clipping) as the ``grad_norm`` metric."""
     scheduler_interval: str = "step"
-    """Step schedulers per optimizer ``step`` or per ``epoch``."""
+    """Step bare schedulers per optimizer ``step`` or per ``epoch`` (a scheduler dict's ``interval`` wins)."""
     scheduler_monitor: str = "val_loss"
-    """Metric fed to ``ReduceLROnPlateau`` schedulers."""
+    """Metric fed to ``ReduceLROnPlateau`` schedulers (once per epoch; a scheduler dict's ``monitor`` wins)."""
     tbptt_steps: Optional[int] = None
     """Truncated backprop through time: split batches along dim 1 into chunks of this length."""
     collect_train_outputs: bool = False

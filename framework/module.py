@@ -81,6 +81,22 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         """Defaults to :meth:`val_step`."""
         return self.val_step(global_step, batch, device)
 
+    def get_predict_dataloader(self, sampler: Any, batch_size: int) -> Optional[DataLoader]:
+        """The loader :meth:`Trainer.predict` runs, built with ``sampler(dataset)`` (dataset order, not
+        padded: every sample is predicted once across ranks). None (the default): no prediction."""
+        return None
+
+    def predict_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        """What :meth:`Trainer.predict` keeps for one batch: a tensor (first dimension: the
+        batch's samples), a tuple or a dict of them. Defaults to ``self(batch)`` (the module's
+        ``forward``); override it when a batch holds more than the input, e.g. ``(x, y)``."""
+        if type(self).forward is torch.nn.Module.forward:
+            raise NotImplementedError(
+                f"{type(self).__name__} defines neither predict_step nor forward; implement "
+                "predict_step(self, global_step, batch, device) to return the predictions for a batch"
+            )
+        return self(batch)
+
     def sharding_units(self) -> Optional[List[torch.nn.Module]]:
         """The submodules that are sharded (``fsdp``) and compiled (``compile=True``) as one unit each.
 

@@ -19,6 +19,7 @@ from framework.checkpoint import AbstractCheckpointer, Checkpoint
 from framework.checkpoint.sharded import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
+from framework.evaluation_weights import best_checkpoint_url, load_evaluation_weights
 from framework.hooks import HookDispatcher
 from framework.loader_position import LoaderPosition
 from framework.logging_setup import configure_logging
@@ -26,10 +27,12 @@ from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
 from framework.module import ModuleInterface, StepRunner
+from framework.prediction import Predictor
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
 from framework.run_directory import claim_run_directory
-from framework.schedulers import build_optimizers_schedulers
+from framework.sample_randomness import LoaderSeeding
+from framework.schedulers import LRSchedules, build_optimizers_schedules
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
 from framework.tbptt import split_along_time
@@ -37,8 +40,6 @@ from framework.training_state import PendingRng, TrainingProgress, accumulation_
 from framework.writers import CSVWriter, MetricWriter, TensorBoardWriter
 
 logger = logging.getLogger("framework")
-
-_PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 
 
 class Trainer:
@@ -117,10 +118,12 @@ class Trainer:
         self.should_stop = False
         self.optimizers: List[torch.optim.Optimizer] = []
         self.schedulers: List[Any] = []
+        self.lr_schedules = LRSchedules()  # the schedulers with when each steps (framework/schedulers.py)
         self.manual_optimization: Optional[ManualOptimization] = None
         self._train_loader: Optional[DataLoader] = None
         self._loader_length: Optional[int] = None
         self._loader_position: Optional[LoaderPosition] = None
+        self._loader_seeding: Optional[LoaderSeeding] = None  # loader seeds and sample_generator's epoch
         self._stream_ended = False  # a stream without a length ran out in this epoch
         self._runner = StepRunner(module)
         self._wrapped: Optional[torch.nn.Module] = None
@@ -370,8 +373,8 @@ class Trainer:
             if args.clip_grads or args.track_grad_norm or args.clip_grad_value is not None:
                 self._clip_gradients()
         stepped = self.backend.step_optimizers(self.optimizers, closure)
-        if stepped and self.schedulers and args.scheduler_interval == "step":
-            self._step_schedulers()
+        if stepped:
+            self.lr_schedules.step_per_optimizer_step(self.progress.global_steps_finished + 1)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
@@ -385,12 +388,6 @@ class Trainer:
             if args.track_grad_norm:
                 self._metrics.log("grad_norm", grad_norm, on_step=True, on_epoch=True)
 
-    def _step_schedulers(self) -> None:
-        """Step every scheduler but ReduceLROnPlateau (which follows validation)."""
-        for scheduler in self.schedulers:
-            if not isinstance(scheduler, _PLATEAU):
-                scheduler.step()
-
     def _start_epoch(self) -> Iterator[Any]:
         """Position the sampler (and the RNG) where the epoch continues; ``on_begin_train_epoch``."""
         progress = self.progress
@@ -403,6 +400,7 @@ class Trainer:
         if progress.batches_finished_in_epoch == 0:
             self._pending_rng.apply()
             self.losses.start_epoch()
+        self._loader_seeding.start_epoch(progress.epochs_finished)  # before iter: seeds its workers
         batches = iter(self._train_loader)
         self._pending_rng.apply()
         self._kept_outputs = []
@@ -417,8 +415,6 @@ class Trainer:
         if self._preempted or (not epoch_completed and self._should_end_training()):
             return  # stopped mid-epoch: the final checkpoint records the position
         self._end_train_epoch()
-        if self.automatic_optimization and self.args.scheduler_interval == "epoch":
-            self._step_schedulers()
         every = self.args.val_every_n_epochs
         if (
             every
@@ -426,6 +422,9 @@ class Trainer:
             and progress.last_validated_step != progress.global_steps_finished
         ):
             self._evaluate(Stage.VAL)
+        if self.automatic_optimization:  # after the epoch's validation: ReduceLROnPlateau reads it
+            validated = progress.last_validated_step == progress.global_steps_finished
+            self.lr_schedules.step_per_epoch(progress.epochs_finished, self.history, validated)
         self._log_epoch_summary()
         progress.finish_epoch()
         self._agree_on_stopping()
@@ -510,19 +509,41 @@ class Trainer:
         raise TrainingPreempted(signal_name, self.global_steps_finished)
 
     # -- evaluation ---------------------------------------------------------------------
-    def validate(self) -> Dict[str, float]:
-        """Run the validation loaders once; return the recorded metrics."""
-        return self._standalone_evaluation(Stage.VAL)
+    def validate(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
+        """Run the validation loaders once; return the recorded metrics.
 
-    def test(self) -> Dict[str, float]:
-        """Run the test loaders once; return the recorded metrics."""
-        return self._standalone_evaluation(Stage.TEST)
+        ``checkpoint``: None evaluates the current weights; ``"last"``, ``"best"`` or a path
+        loads those weights first, the same file on every rank (see ``docs/evaluation.md``).
+        """
+        return self._standalone_evaluation(Stage.VAL, checkpoint)
 
-    def _standalone_evaluation(self, stage: Stage) -> Dict[str, float]:
+    def test(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
+        """Run the test loaders once; return the recorded metrics (``checkpoint`` as in :meth:`validate`)."""
+        return self._standalone_evaluation(Stage.TEST, checkpoint)
+
+    def predict(self, checkpoint: Optional[str] = None, predictions_dir: Optional[str] = None) -> Any:
+        """Run ``predict_step`` on every sample of ``get_predict_dataloader`` once across ranks.
+
+        Rank zero returns the outputs in dataset order (the other ranks None); with
+        ``predictions_dir`` every rank writes its batches there as it goes and rank zero returns
+        the directory (read it with :func:`framework.prediction.load_predictions`).
+        ``checkpoint`` as in :meth:`validate`. Collective under DDP: call it on every rank.
+        """
+        load_evaluation_weights(self, checkpoint, "predict")
+        batch_size = self.args.val_batch_size or self.train_step_batch_size
+        return Predictor(self.module, self.backend, self.args).run(self.global_steps_finished, batch_size, predictions_dir)
+
+    def best_checkpoint(self) -> Optional[str]:
+        """URL of the best checkpoint by ``checkpointer_args.metric``, on every rank (collective under DDP)."""
+        return best_checkpoint_url(self.checkpointer, self.backend)
+
+    def _standalone_evaluation(self, stage: Stage, checkpoint: Optional[str] = None) -> Dict[str, float]:
+        load_evaluation_weights(self, checkpoint, "validate" if stage is Stage.VAL else "test")
         self._prepare_callbacks()
         self._start_writers()
-        try:
-            return self._evaluate(stage)
+        try:  # no scheduler steps, no progress counters: this is not training
+            batch_size = self.args.val_batch_size or self.train_step_batch_size
+            return self.evaluator.run(stage, self.global_steps_finished, batch_size)
         finally:
             self._close_writers()
 
@@ -532,19 +553,8 @@ class Trainer:
         if record and stage is Stage.VAL:
             self.progress.last_validated_step = self.global_steps_finished
             if self.automatic_optimization:
-                self._step_plateau_schedulers()
+                self.lr_schedules.step_after_validation(self.global_steps_finished, self.history)
         return results
-
-    def _step_plateau_schedulers(self) -> None:
-        plateau = [s for s in self.schedulers if isinstance(s, _PLATEAU)]
-        value = self.history.latest(self.args.scheduler_monitor)
-        if plateau and value is None:
-            raise ValueError(
-                f"ReduceLROnPlateau needs the metric scheduler_monitor={self.args.scheduler_monitor!r}, "
-                f"which was not recorded; recorded metrics: {self.history.names()}"
-            )
-        for scheduler in plateau:
-            scheduler.step(value)
 
     # -- metrics --------------------------------------------------------------------------
     def _log_train_metrics(self) -> None:
@@ -621,6 +631,7 @@ class Trainer:
         self._loader_length = None if length is None else self.backend.strategy.min_over_ranks(length)
         checks.check_train_loader_not_empty(self._train_loader, self._loader_length, self.train_step_batch_size)
         self._loader_position = LoaderPosition(self._train_loader)
+        self._loader_seeding = LoaderSeeding(self._train_loader, self.args.seed)
 
     def _setup_training(self) -> None:
         self._create_train_loader()
@@ -629,9 +640,16 @@ class Trainer:
             self._forward = self.backend.step_function(self._wrapped, self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]
         if not self.optimizers:
-            self.optimizers, self.schedulers = build_optimizers_schedulers(
-                self.module, self.estimated_global_steps_per_epoch, self.args.epochs
+            self.optimizers, self.lr_schedules = build_optimizers_schedules(
+                self.module,
+                self.estimated_global_steps_per_epoch,
+                self.args.epochs,
+                default_interval=self.args.scheduler_interval,
+                default_monitor=self.args.scheduler_monitor,
             )
+            self.schedulers = self.lr_schedules.schedulers
+            for line in self.lr_schedules.describe(self.automatic_optimization):
+                logger.info(line)
             self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
             if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
                 raise ValueError(
@@ -651,6 +669,7 @@ class Trainer:
             self._restored = True
             if self.checkpointing_enabled:
                 self._loader_position.warn_if_not_resumable()
+                self._loader_seeding.warn_about_worker_randomness(self._loader_position.resumable_mid_epoch)
             if not self.args.fast_dev_run:  # before anything is written: never overwrite another run's files
                 claim_run_directory(self.args.output_dir, self.checkpointer, self.backend)
             self._restore_checkpoint()

@@ -61,7 +61,7 @@ def plain_gan_loop(world_size: int = 1) -> torch.Tensor:
     per_rank = BATCH // world_size
     samplers = [ResumableSampler(module.data, shuffle=True, seed=SEED, rank=r, world_size=world_size) for r in range(world_size)]
 
-    class RankBatches(torch.utils.data.Sampler):  # one loader, so one RNG draw per epoch as on each rank
+    class RankBatches(torch.utils.data.Sampler):  # one loader for both ranks' shards
         def __iter__(self):
             shards = [list(sampler) for sampler in samplers]
             for start in range(0, len(shards[0]), per_rank):
@@ -70,7 +70,8 @@ def plain_gan_loop(world_size: int = 1) -> torch.Tensor:
         def __len__(self):
             return len(samplers[0]) // per_rank
 
-    loader = DataLoader(module.data, batch_sampler=RankBatches())
+    # The framework seeds each train loader's own generator: iterating it draws nothing from the global RNG.
+    loader = DataLoader(module.data, batch_sampler=RankBatches(), generator=torch.Generator())
     for epoch in range(EPOCHS):
         for sampler in samplers:
             sampler.set_epoch(epoch)

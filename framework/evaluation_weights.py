@@ -1,0 +1,145 @@
+"""Which weights ``validate``/``test``/``predict`` use: the current ones, or a checkpoint's, the
+same file on every rank (rank zero picks it and broadcasts where it is)."""
+
+import logging
+from typing import Any, Callable, Optional, Union
+
+from framework.checkpoint.weights import load_weights
+
+logger = logging.getLogger("framework")
+
+CheckpointChoice = Optional[str]
+"""``None`` (the current weights), ``"last"``, ``"best"``, or a checkpoint file or directory."""
+
+
+def check_checkpoint_choice(checkpoint: Any, method: str) -> None:
+    """Refuse anything but None, ``"last"``, ``"best"`` or a non-empty path.
+
+    Example:
+        >>> check_checkpoint_choice(3, "validate")
+        Traceback (most recent call last):
+        ...
+        TypeError: validate(checkpoint=3): allowed: None (the current weights), 'last', 'best', or a checkpoint file or directory (a path or fsspec URL)
+    """
+    if checkpoint is None or (isinstance(checkpoint, str) and checkpoint):
+        return
+    raise TypeError(
+        f"{method}(checkpoint={checkpoint!r}): allowed: None (the current weights), 'last', 'best', "
+        "or a checkpoint file or directory (a path or fsspec URL)"
+    )
+
+
+def on_main_then_everywhere(backend: Any, compute: Callable[[], Any], what: str) -> Any:
+    """``compute()`` on rank zero, its result broadcast to every rank; a failure there is raised on
+    every rank (rank zero its own error, the others a RuntimeError quoting it), so no rank waits."""
+    result, error = None, None
+    if backend.is_main_process:
+        try:
+            result = compute()
+        except Exception as caught:  # re-raised below, after the other ranks learn about it
+            error = caught
+    if backend.world_size > 1:
+        failure = None if error is None else f"{type(error).__name__}: {error}"
+        result, failure = backend.broadcast_object((result, failure))
+        if error is None and failure is not None:
+            raise RuntimeError(f"rank zero failed to {what}: {failure}")
+    if error is not None:
+        raise error
+    return result
+
+
+def best_checkpoint_url(checkpointer: Any, backend: Any) -> Optional[str]:
+    """Rank zero's ``checkpointer.best_checkpoint()`` on every rank (only rank zero writes and
+    scores checkpoints). Collective under DDP: call it on every rank."""
+    best = getattr(checkpointer, "best_checkpoint", None)
+    return on_main_then_everywhere(backend, lambda: best() if callable(best) else None, "find the best checkpoint")
+
+
+def load_evaluation_weights(trainer: Any, checkpoint: CheckpointChoice, method: str) -> Optional[str]:
+    """Load the weights ``checkpoint`` names into ``trainer.module`` on every rank; return the
+    file's URL (None: the current weights are kept).
+
+    - ``None``: nothing is loaded. A trainer that has neither trained nor resumed, whose
+      checkpointer would resume from a checkpoint, logs a warning that the untrained weights
+      are evaluated and how to evaluate the checkpoint instead.
+    - ``"last"``: the newest readable checkpoint in ``save_dir`` (else in what the run resumes
+      from: ``load_filename`` / ``load_dir``).
+    - ``"best"``: the best checkpoint by ``checkpointer_args.metric`` / ``mode``: among this
+      run's scored ones, else from the run history saved in ``save_dir``.
+    - a path or URL: that checkpoint file (or model export), or the newest in that directory.
+
+    Rank zero resolves the file and broadcasts its URL; every rank loads that file.
+
+    Raises:
+        TypeError: ``checkpoint`` is none of the above.
+        FileNotFoundError, ValueError: no such checkpoint (on every rank).
+        NotImplementedError: sharded (fsdp) checkpoints.
+    """
+    check_checkpoint_choice(checkpoint, method)
+    if checkpoint is None:
+        _warn_if_untrained(trainer, method)
+        return None
+    if getattr(trainer.backend.strategy, "saves_sharded", False):
+        raise NotImplementedError(
+            f"{method}(checkpoint={checkpoint!r}) reads whole-model checkpoints; the {trainer.backend.strategy.name} "
+            "strategy writes sharded ones: train() resumes them, or evaluate with checkpoint=None after training"
+        )
+    module, checkpointer = trainer.module, trainer.checkpointer
+    url = on_main_then_everywhere(
+        trainer.backend, lambda: _load_on_main(module, checkpointer, checkpoint), f"load checkpoint={checkpoint!r}"
+    )
+    if not trainer.backend.is_main_process:
+        load_weights(module, url)
+    trainer.__dict__["_loaded_evaluation_weights"] = url  # later calls with checkpoint=None use these: no warning
+    logger.info("%s: evaluating the weights of %s", method, url)
+    return url
+
+
+def _load_on_main(module: Any, checkpointer: Any, checkpoint: str) -> str:
+    save_dir = getattr(checkpointer, "save_dir", None)
+    if checkpoint not in ("last", "best"):
+        return load_weights(module, checkpoint)
+    if save_dir is None:
+        raise ValueError(
+            f"checkpoint={checkpoint!r} needs a checkpointer with a save_dir ({type(checkpointer).__name__} has none); "
+            "pass the checkpoint's path instead"
+        )
+    args = getattr(checkpointer, "args", None)
+    if checkpoint == "best":
+        scored = checkpointer.best_checkpoint() if callable(getattr(checkpointer, "best_checkpoint", None)) else None
+        if scored is not None:
+            return load_weights(module, scored)
+        metric, mode = getattr(args, "metric", "val_loss"), getattr(args, "mode", "min")
+        return load_weights(module, save_dir, step="best", metric=metric, mode=mode)
+    try:
+        return load_weights(module, save_dir, step="last")
+    except FileNotFoundError:
+        source = _resume_source(checkpointer)
+        if source is None or source == save_dir:
+            raise FileNotFoundError(
+                f"checkpoint='last': save_dir {save_dir!r} holds no checkpoint, and there is no load_filename or "
+                "load_dir to take one from; train first, or pass a checkpoint's path"
+            ) from None
+        return load_weights(module, source, step="last")
+
+
+def _resume_source(checkpointer: Any) -> Union[str, None]:
+    source = getattr(checkpointer, "resume_source", None)
+    return source() if callable(source) else None
+
+
+def _warn_if_untrained(trainer: Any, method: str) -> None:
+    loaded = getattr(trainer, "_restored", False) or trainer.__dict__.get("_loaded_evaluation_weights")
+    if trainer.global_steps_finished or loaded or not trainer.is_main_process:
+        return
+    try:
+        source = _resume_source(trainer.checkpointer)
+    except OSError:  # listing the directory failed: say nothing rather than fail the evaluation
+        return
+    if source is not None:
+        logger.warning(
+            "%s() evaluates the current weights, which this trainer has neither trained nor loaded, while %s holds "
+            "a checkpoint train() would resume from: pass checkpoint='last' (or 'best', or a path) to evaluate it",
+            method,
+            source,
+        )

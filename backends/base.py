@@ -147,7 +147,7 @@ class TrainerBackend:
         """The module training forwards go through (DDP wraps it)."""
         return self.strategy.wrap_module(module)
 
-    def forward(self, runner: torch.nn.Module, *args: Any) -> Any:
+    def forward(self, runner: Callable[..., Any], *args: Any) -> Any:
         """Call ``runner(*args)`` inside the precision's autocast."""
         with self.precision.forward_context():
             return runner(*args)

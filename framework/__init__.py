@@ -21,8 +21,8 @@ __all__ = [
     "TrainerArguments",
     "TrainingDiverged",
     "TrainingPreempted",
-    "seed_everything",
     "sample_generator",
     "sample_seed",
+    "seed_everything",
 ]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ def check_checkpoint_choice(checkpoint: Any, method: str) -> None:
         >>> check_checkpoint_choice(3, "validate")
         Traceback (most recent call last):
         ...
-        TypeError: validate(checkpoint=3): allowed: None (the current weights), 'last', 'best', or a checkpoint file or directory (a path or fsspec URL)
+        TypeError: validate(checkpoint=3): allowed: None (the current weights), 'last', 'best', or a checkpoint file or ...
     """
     if checkpoint is None or (isinstance(checkpoint, str) and checkpoint):
         return

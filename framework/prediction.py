@@ -16,6 +16,7 @@ from framework.arguments import TrainerArguments
 from framework.checkpoint import storage
 from framework.evaluation_weights import on_main_then_everywhere
 from framework.metrics import infer_batch_size
+from framework.module import ModuleInterface
 from framework.step_outputs import concatenate_outputs
 
 logger = logging.getLogger("framework")
@@ -48,7 +49,7 @@ class Predictor:
         predictions = Predictor(module, backend, args).run(global_step=0, batch_size=64)
     """
 
-    def __init__(self, module: torch.nn.Module, backend: TrainerBackend, args: TrainerArguments) -> None:
+    def __init__(self, module: ModuleInterface, backend: TrainerBackend, args: TrainerArguments) -> None:
         self.module = module
         self.backend = backend
         self.args = args
@@ -72,14 +73,16 @@ class Predictor:
         own_sampler = getattr(loader, "sampler", None)
         is_stream = isinstance(getattr(loader, "dataset", None), IterableDataset)
         if isinstance(own_sampler, ResumableSampler) and own_sampler.shuffle:
-            raise ValueError(f"{name}.get_predict_dataloader: predictions keep dataset order; use sampler(dataset), not shuffle=True")
-        if self.backend.world_size > 1 and isinstance(loader, DataLoader) and not is_stream:
-            if not isinstance(own_sampler, ResumableSampler):
-                raise ValueError(
-                    f"{name}.get_predict_dataloader returned a DataLoader with a {type(own_sampler).__name__}: under "
-                    f"{self.backend.world_size} ranks every rank would predict every sample; build it with "
-                    "sampler=sampler(dataset)"
-                )
+            raise ValueError(
+                f"{name}.get_predict_dataloader: predictions keep dataset order; use sampler(dataset), not shuffle=True"
+            )
+        distributed_map_style = self.backend.world_size > 1 and isinstance(loader, DataLoader) and not is_stream
+        if distributed_map_style and not isinstance(own_sampler, ResumableSampler):
+            raise ValueError(
+                f"{name}.get_predict_dataloader returned a DataLoader with a {type(own_sampler).__name__}: under "
+                f"{self.backend.world_size} ranks every rank would predict every sample; build it with "
+                "sampler=sampler(dataset)"
+            )
         return self.backend.prepare_loader(loader)
 
     def run(self, global_step: int, batch_size: int, predictions_dir: Optional[str] = None) -> Any:
@@ -147,7 +150,11 @@ class PredictionWriter:
         if not self._fs.isdir(self._path):
             self._fs.makedirs(self._path, exist_ok=True)
             return
-        taken = sorted(name for name in (posixpath.basename(p) for p in self._fs.ls(self._path, detail=False)) if _PREDICTION_FILE.match(name))
+        taken = sorted(
+            name
+            for name in (posixpath.basename(p) for p in self._fs.ls(self._path, detail=False))
+            if _PREDICTION_FILE.match(name)
+        )
         if taken:
             raise FileExistsError(
                 f"predictions_dir {self.directory!r} already holds {len(taken)} prediction file(s) ({taken[0]}, ...); "

@@ -14,7 +14,7 @@ them exactly where an uninterrupted run would; only their own ``state_dict`` is 
 
 import dataclasses
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 

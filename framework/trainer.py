@@ -373,7 +373,7 @@ class Trainer:
             if args.clip_grads or args.track_grad_norm or args.clip_grad_value is not None:
                 self._clip_gradients()
         stepped = self.backend.step_optimizers(self.optimizers, closure)
-        if stepped:
+        if stepped and self.schedulers:
             self.lr_schedules.step_per_optimizer_step(self.progress.global_steps_finished + 1)
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)

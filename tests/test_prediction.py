@@ -9,10 +9,10 @@ from typing import List
 
 import pytest
 import torch
-from toy import ToyModule
 from torch.utils.data import DataLoader
 
 from distributed import run_ranks
+from toy import ToyModule
 
 from framework import Trainer, TrainerArguments
 from framework.checkpoint import load_weights
@@ -182,7 +182,9 @@ def _evaluation_rank(rank, out):
     best_predictions = fresh.predict(checkpoint="best")
     fresh.close()
     trainer.close()
-    return dict(best=best, trained=trained_metrics, last=last_metrics, memory=in_memory, dir=directory, best_pred=best_predictions)
+    return dict(
+        best=best, trained=trained_metrics, last=last_metrics, memory=in_memory, dir=directory, best_pred=best_predictions
+    )
 
 
 def test_two_ranks_predict_once_in_order_and_load_the_same_checkpoint(tmp_path):

@@ -9,9 +9,9 @@ from typing import List
 import pytest
 import torch
 import torch.nn.functional as F
-from toy import ToyModule, flat_parameters
 
 from distributed import run_ranks
+from toy import ToyModule, flat_parameters
 
 from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback

@@ -7,9 +7,9 @@ from typing import List
 
 import pytest
 import torch
-import torch.nn.functional as F
-from toy import ToyModule, flat_parameters
 from torch.utils.data import DataLoader, Dataset
+
+from toy import ToyModule, flat_parameters
 
 import framework
 from framework import Trainer, TrainerArguments

@@ -14,13 +14,14 @@ from backends import TrainerBackend, build_backend, map_tensors
 from framework import checks
 from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
-from framework.callbacks.progress import ProgressBar
+from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer, Checkpoint
 from framework.checkpoint.sharded import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.hooks import HookDispatcher
 from framework.logging_setup import configure_logging
+from framework.loader_plan import RecordingSampler, warn_if_loader_ignores_plan
 from framework.loader_position import LoaderPosition
 from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
@@ -29,6 +30,8 @@ from framework.module import ModuleInterface, StepRunner
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
 from framework.run_directory import claim_run_directory
+from framework.run_start import log_run_start
+from framework.schedule_errors import explain_exhausted_schedule
 from framework.schedulers import build_optimizers_schedulers
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
@@ -56,8 +59,9 @@ class Trainer:
         args: run arguments (default: ``TrainerArguments()``).
         trainer_backend: a backend instance; None builds ``args.backend`` by name.
         checkpointer: None uses a :class:`DefaultCheckpointer` from ``args.checkpointer_args``.
-        callbacks: called after the module's own hooks, in this order. A progress bar is
-            added unless ``args.disable_tqdm`` or one is given.
+        callbacks: called after the module's own hooks, in this order. A model summary and a
+            progress bar are put first unless ``args.model_summary=False``/``args.disable_tqdm``
+            or one of the kind is given.
 
     Example:
         trainer = Trainer(module=MyModule(), args=TrainerArguments(epochs=3))
@@ -106,9 +110,7 @@ class Trainer:
         self.checkpointer = default_checkpointer(  # a ShardedCheckpointer under fsdp
             self.backend.strategy, checkpointer, args.checkpointer_args, default_dir=os.path.join(args.output_dir, "checkpoints")
         )
-        self.callbacks: List[Callback] = list(callbacks)
-        if not args.disable_tqdm and not any(isinstance(c, ProgressBar) for c in self.callbacks):
-            self.callbacks.insert(0, ProgressBar())
+        self.callbacks: List[Callback] = with_default_callbacks(callbacks, args)  # + ModelSummary, ProgressBar
         self.hooks = HookDispatcher(module, self.callbacks)
         self.history = MetricHistory()
         self.writers: List[MetricWriter] = []
@@ -385,9 +387,13 @@ class Trainer:
 
     def _step_schedulers(self) -> None:
         """Step every scheduler but ReduceLROnPlateau (which follows validation)."""
-        for scheduler in self.schedulers:
-            if not isinstance(scheduler, _PLATEAU):
-                scheduler.step()
+        try:
+            for scheduler in self.schedulers:
+                if not isinstance(scheduler, _PLATEAU):
+                    scheduler.step()
+        except ValueError as error:
+            explain_exhausted_schedule(error, self)  # OneCycleLR past total_steps: an extended resumed run
+            raise
 
     def _start_epoch(self) -> Iterator[Any]:
         """Position the sampler (and the RNG) where the epoch continues; ``on_begin_train_epoch``."""
@@ -608,9 +614,12 @@ class Trainer:
     def _create_train_loader(self) -> None:
         if self._train_loader is not None:
             return
-        sampler = self.backend.sampler_factory(shuffle=True, seed=self.args.seed)
+        sampler = RecordingSampler(self.backend.sampler_factory(shuffle=True, seed=self.args.seed))
         loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
         checks.check_train_dataloader(loader)
+        warn_if_loader_ignores_plan(
+            loader, sampler, self.train_step_batch_size, self.backend.world_size, self.gradient_accumulation
+        )
         self._train_loader = self.backend.prepare_loader(loader)
         try:
             length: Optional[int] = len(self._train_loader)
@@ -647,6 +656,7 @@ class Trainer:
         self._prepare_callbacks()
         if not self._restored:
             self._restored = True
+            log_run_start(self)  # checkpoint retention; ddp as one process
             if self.checkpointing_enabled:
                 self._loader_position.warn_if_not_resumable()
             if not self.args.fast_dev_run:  # before anything is written: never overwrite another run's files

@@ -56,7 +56,8 @@ def explain_exhausted_schedule(error: ValueError, trainer: "Trainer") -> None:
 
 def _checkpoint_directory(checkpointer: object, loaded_from: str) -> str:
     """Where the resumed checkpoint lies, as the user would type it (a local path without ``file://``)."""
-    if getattr(checkpointer, "resumed_own_run", False) and getattr(checkpointer, "save_dir", None):
-        return str(getattr(checkpointer, "save_dir"))
+    save_dir = getattr(checkpointer, "save_dir", None)
+    if getattr(checkpointer, "resumed_own_run", False) and save_dir:
+        return str(save_dir)
     directory = loaded_from.rsplit("/", 1)[0] if "/" in loaded_from else "."
     return directory[len("file://") :] if directory.startswith("file://") else directory

@@ -20,9 +20,9 @@ from framework.checkpoint.sharded import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.hooks import HookDispatcher
-from framework.logging_setup import configure_logging
 from framework.loader_plan import RecordingSampler, warn_if_loader_ignores_plan
 from framework.loader_position import LoaderPosition
+from framework.logging_setup import configure_logging
 from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics

@@ -11,9 +11,8 @@ from contextlib import contextmanager
 from typing import Iterator, List
 
 import pytest
-from torch.utils.data import DataLoader
-
 from distributed import run_ranks
+from torch.utils.data import DataLoader
 from toy import ToyModule
 
 from framework import Trainer, TrainerArguments
@@ -24,7 +23,14 @@ STEPS_PER_EPOCH = 8  # ToyModule: 256 samples, batch 32
 
 
 def make_args(tmp_path, name: str = "run", checkpoints: DefaultCheckpointerArguments = None, **overrides) -> TrainerArguments:
-    values = dict(epochs=2, train_batch_size=32, seed=0, disable_tqdm=True, log_level="INFO", output_dir=str(tmp_path / name))
+    values = {
+        "epochs": 2,
+        "train_batch_size": 32,
+        "seed": 0,
+        "disable_tqdm": True,
+        "log_level": "INFO",
+        "output_dir": str(tmp_path / name),
+    }
     values.update(overrides)
     return TrainerArguments(checkpointer_args=checkpoints or DefaultCheckpointerArguments(period=0, save_at_end=False), **values)
 
@@ -73,9 +79,11 @@ def test_default_retention_keeps_the_newest_three_and_says_so(tmp_path):
         Trainer(ToyModule(val_loaders=0), args).train()
     directory = tmp_path / "run" / "checkpoints"
     assert checkpoint_names(directory) == [f"checkpoint-{STEPS_PER_EPOCH * epoch:09d}.pt" for epoch in (3, 4, 5)]
-    assert f"checkpoints: every epoch and at the end into {directory}, keeping the newest 3 (checkpointer.keep_last_n)" in messages
+    assert (
+        f"checkpoints: every epoch and at the end into {directory}, keeping the newest 3 (checkpointer.keep_last_n)" in messages
+    )
 
-    keep_all = make_args(tmp_path, "all", epochs=5, checkpoints=DefaultCheckpointerArguments(keep_last_n=None, keep_best_n=0))
+    keep_all = make_args(tmp_path, "all", epochs=5, checkpoints=DefaultCheckpointerArguments(keep_last_n=None))
     with captured_log() as messages:
         Trainer(ToyModule(val_loaders=0), keep_all).train()
     assert len(checkpoint_names(tmp_path / "all" / "checkpoints")) == 5

@@ -151,8 +151,9 @@ class ProgressBar(Callback):
     frames: ``epoch 2/10: 120/230 steps, 45.1 step/s, loss 0.1234`` at each 10% of the epoch
     (at most one per ``refresh_seconds``), at least every ``line_seconds``, and a last one when
     an epoch ends, so a short epoch still shows one line (through the ``framework`` logger at
-    INFO: ``log_level="WARNING"`` hides them). Evaluation bars are shown in a terminal only. The loss shown is the one read back at
-    the last ``log_every_n_steps`` point, so progress never forces a device sync.
+    INFO: ``log_level="WARNING"`` hides them). Evaluation bars are shown in a terminal only.
+    The loss shown is the one read back at the last ``log_every_n_steps`` point, so progress
+    never forces a device sync.
 
     Args:
         refresh_seconds: at most one redraw of a bar (or one progress line) per this many
@@ -232,7 +233,8 @@ class ProgressBar(Callback):
         self._close_evaluation()
         if self._enabled() and not self.uses_lines():
             desc = f"{what} {key}" if key else what
-            self._evaluation = _Bar(self.trainer.evaluator.current_batches, 0, self.refresh_seconds, desc, "batch")
+            total = getattr(getattr(self.trainer, "evaluator", None), "current_batches", None)
+            self._evaluation = _Bar(total, 0, self.refresh_seconds, desc, "batch")
 
     def _advance_evaluation(self) -> None:
         display = self._evaluation

@@ -59,7 +59,7 @@ class _Bar(_Display):
     """A tqdm bar (``leave=False``): redrawn at most every ``refresh_seconds``."""
 
     def __init__(self, total: Optional[int], initial: int, refresh_seconds: float, desc: str, unit: str) -> None:
-        super().__init__(total, initial, refresh_seconds)
+        super().__init__(total, initial, refresh_seconds / 2)  # checks twice per refresh: tqdm redraws on time
         self.bar = tqdm(
             total=total,
             initial=initial,

@@ -86,7 +86,9 @@ class TrainerArguments:
     log_every_n_steps: int = 50
     """Read losses back from the device and write them every N optimizer steps."""
     disable_tqdm: bool = False
-    """Hide progress bars."""
+    """Hide progress bars (and the plain progress lines written when stderr is not a terminal)."""
+    model_summary: bool = True
+    """Log the model's parameter counts per top-level child when training starts (rank zero, INFO)."""
     log_level: str = "INFO"
     """Level of the framework's log messages on rank zero."""
     output_dir: str = "outputs"

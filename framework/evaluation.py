@@ -54,6 +54,9 @@ class Evaluator:
         self.hooks = hooks
         self.args = args
         self.record = record
+        self.current_batches: Optional[int] = None
+        """Batches the loader being evaluated runs on this rank (None: unknown); set before
+        ``on_begin_<stage>_epoch`` (progress bars read it)."""
 
     def loaders(self, stage: Stage, batch_size: int) -> Dict[str, Any]:
         """The module's loaders for ``stage`` as ``{name: loader}`` (``""`` for a single one)."""
@@ -75,10 +78,12 @@ class Evaluator:
         self.module.eval()
         try:
             for key, loader in self.loaders(stage, batch_size).items():
+                limit = max_batches or _batch_limit(self.args.max_val_steps_per_epoch, loader)
+                self.current_batches = _planned_batches(loader, limit)
                 if record:
                     self.hooks.call(f"on_begin_{stage.value}_epoch", global_step, key=key)
-                limit = max_batches or _batch_limit(self.args.max_val_steps_per_epoch, loader)
-                collected = self._run_steps(stage, global_step, loader, limit, losses)
+                step_hook = f"on_end_{stage.value}_step" if record else None
+                collected = self._run_steps(stage, global_step, loader, limit, losses, step_hook, key)
                 if not record:
                     losses.pop_epoch()
                     continue
@@ -98,9 +103,17 @@ class Evaluator:
         return results
 
     def _run_steps(
-        self, stage: Stage, global_step: int, loader: Iterable, limit: Optional[int], losses: MetricCollector
+        self,
+        stage: Stage,
+        global_step: int,
+        loader: Iterable,
+        limit: Optional[int],
+        losses: MetricCollector,
+        step_hook: Optional[str] = None,
+        key: str = "",
     ) -> List[Tuple[Any, ...]]:
-        """Every step's outputs; each step's loss goes into ``losses`` weighted by its samples."""
+        """Every step's outputs; each step's loss goes into ``losses`` weighted by its samples;
+        ``step_hook`` (``on_end_val_step``...) is called after each step."""
         collected = []
         method, device, loss_name = f"{stage.value}_step", self.backend.device, f"{stage.value}_loss"
         with torch.no_grad():
@@ -113,7 +126,18 @@ class Evaluator:
                 if loss.numel():
                     losses.log(loss_name, loss, batch_size=loss.numel() if loss.dim() else infer_batch_size(batch))
                 collected.append(outputs)
+                if step_hook is not None:
+                    self.hooks.call(step_hook, global_step, *outputs, key=key)
         return collected
+
+
+def _planned_batches(loader: Iterable, limit: Optional[int]) -> Optional[int]:
+    """How many batches of ``loader`` an evaluation runs: its length, capped by ``limit`` (None: unknown)."""
+    try:
+        length = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return limit
+    return length if limit is None else min(length, limit)
 
 
 def _batch_limit(limit: Optional[float], loader: Iterable) -> Optional[int]:

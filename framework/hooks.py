@@ -41,11 +41,17 @@ class TrainingHooks:
     def on_begin_val_epoch(self, global_step: int, key: str) -> None:
         """Before each validation loader (``key`` is its name, ``""`` for a single loader)."""
 
+    def on_end_val_step(self, global_step: int, *outputs: Any, key: str) -> None:
+        """After each validation batch, with what ``val_step`` returned (not during sanity checks)."""
+
     def on_end_val_epoch(self, global_step: int, *outputs: Any, key: str) -> None:
         """After each validation loader, with every ``val_step`` output gathered in dataset order."""
 
     def on_begin_test_epoch(self, global_step: int, key: str) -> None:
         """Before each test loader."""
+
+    def on_end_test_step(self, global_step: int, *outputs: Any, key: str) -> None:
+        """After each test batch, with what ``test_step`` returned."""
 
     def on_end_test_epoch(self, global_step: int, *outputs: Any, key: str) -> None:
         """After each test loader, with every ``test_step`` output gathered in dataset order."""

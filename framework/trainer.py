@@ -14,13 +14,14 @@ from backends import TrainerBackend, build_backend, map_tensors
 from framework import checks
 from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
-from framework.callbacks.progress import ProgressBar
+from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer, Checkpoint
 from framework.checkpoint.sharded import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.evaluation_weights import best_checkpoint_url, load_evaluation_weights
 from framework.hooks import HookDispatcher
+from framework.loader_plan import RecordingSampler, warn_if_loader_ignores_plan
 from framework.loader_position import LoaderPosition
 from framework.logging_setup import configure_logging
 from framework.loss_tracker import LossTracker, TrainingDiverged
@@ -31,7 +32,9 @@ from framework.prediction import Predictor
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import capture_rng_state, seed_everything
 from framework.run_directory import claim_run_directory
+from framework.run_start import log_run_start
 from framework.sample_randomness import LoaderSeeding
+from framework.schedule_errors import explain_exhausted_schedule
 from framework.schedulers import LRSchedules, build_optimizers_schedules
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
@@ -57,8 +60,9 @@ class Trainer:
         args: run arguments (default: ``TrainerArguments()``).
         trainer_backend: a backend instance; None builds ``args.backend`` by name.
         checkpointer: None uses a :class:`DefaultCheckpointer` from ``args.checkpointer_args``.
-        callbacks: called after the module's own hooks, in this order. A progress bar is
-            added unless ``args.disable_tqdm`` or one is given.
+        callbacks: called after the module's own hooks, in this order. A model summary and a
+            progress bar are put first unless ``args.model_summary=False``/``args.disable_tqdm``
+            or one of the kind is given.
 
     Example:
         trainer = Trainer(module=MyModule(), args=TrainerArguments(epochs=3))
@@ -107,9 +111,7 @@ class Trainer:
         self.checkpointer = default_checkpointer(  # a ShardedCheckpointer under fsdp
             self.backend.strategy, checkpointer, args.checkpointer_args, default_dir=os.path.join(args.output_dir, "checkpoints")
         )
-        self.callbacks: List[Callback] = list(callbacks)
-        if not args.disable_tqdm and not any(isinstance(c, ProgressBar) for c in self.callbacks):
-            self.callbacks.insert(0, ProgressBar())
+        self.callbacks: List[Callback] = with_default_callbacks(callbacks, args)  # + ModelSummary, ProgressBar
         self.hooks = HookDispatcher(module, self.callbacks)
         self.history = MetricHistory()
         self.writers: List[MetricWriter] = []
@@ -374,7 +376,11 @@ class Trainer:
                 self._clip_gradients()
         stepped = self.backend.step_optimizers(self.optimizers, closure)
         if stepped and self.schedulers:
-            self.lr_schedules.step_per_optimizer_step(self.progress.global_steps_finished + 1)
+            try:
+                self.lr_schedules.step_per_optimizer_step(self.progress.global_steps_finished + 1)
+            except ValueError as error:
+                explain_exhausted_schedule(error, self)  # OneCycleLR past total_steps: an extended resumed run
+                raise
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
 
@@ -620,9 +626,12 @@ class Trainer:
     def _create_train_loader(self) -> None:
         if self._train_loader is not None:
             return
-        sampler = self.backend.sampler_factory(shuffle=True, seed=self.args.seed)
+        sampler = RecordingSampler(self.backend.sampler_factory(shuffle=True, seed=self.args.seed))
         loader = self.module.get_train_dataloader(sampler, self.train_step_batch_size)
         checks.check_train_dataloader(loader)
+        warn_if_loader_ignores_plan(
+            loader, sampler, self.train_step_batch_size, self.backend.world_size, self.gradient_accumulation
+        )
         self._train_loader = self.backend.prepare_loader(loader)
         try:
             length: Optional[int] = len(self._train_loader)
@@ -667,6 +676,7 @@ class Trainer:
         self._prepare_callbacks()
         if not self._restored:
             self._restored = True
+            log_run_start(self)  # checkpoint retention; ddp as one process
             if self.checkpointing_enabled:
                 self._loader_position.warn_if_not_resumable()
                 self._loader_seeding.warn_about_worker_randomness(self._loader_position.resumable_mid_epoch)

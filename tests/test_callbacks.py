@@ -319,7 +319,7 @@ def test_timer_records_epoch_and_total_time(tmp_path):
 
 def test_progress_bar_shows_steps_rate_and_logged_loss(tmp_path, capsys):
     args = make_args(tmp_path, epochs=1, disable_tqdm=False, log_every_n_steps=2)
-    trainer = Trainer(ToyModule(val_loaders=0), args, callbacks=[ProgressBar(refresh_seconds=0)])
+    trainer = Trainer(ToyModule(val_loaders=0), args, callbacks=[ProgressBar(refresh_seconds=0, style="bar")])
     assert sum(isinstance(c, ProgressBar) for c in trainer.callbacks) == 1  # no second, default bar
     history = trainer.train()
     err = capsys.readouterr().err
@@ -334,7 +334,7 @@ def test_progress_bar_resumed_mid_epoch_starts_at_the_resumed_step(tmp_path, cap
     resume = DefaultCheckpointerArguments(load_dir=str(tmp_path / "ckpt"), period=0, save_at_end=False)
     args = make_args(tmp_path / "resumed", resume, epochs=1, disable_tqdm=False)
     capsys.readouterr()
-    trainer = Trainer(ToyModule(val_loaders=0), args, callbacks=[ProgressBar(refresh_seconds=0)])
+    trainer = Trainer(ToyModule(val_loaders=0), args, callbacks=[ProgressBar(refresh_seconds=0, style="bar")])
     trainer.train()
     frames = [frame for frame in capsys.readouterr().err.split("\r") if frame.startswith("epoch 1/1")]
     assert trainer.global_steps_finished == 8
@@ -370,7 +370,7 @@ class BarProbe(ProgressBar):
 
 def _two_rank_callbacks(rank: int, out: str):
     # 1) Early stopping on the (gathered, identical) validation loss.
-    stopper, bar = EarlyStopping(patience=1, min_delta=0.05), BarProbe(refresh_seconds=60)
+    stopper, bar = EarlyStopping(patience=1, min_delta=0.05), BarProbe(refresh_seconds=60, style="bar")
     args = TrainerArguments(
         epochs=8,
         train_batch_size=32,

@@ -211,7 +211,7 @@ def test_save_triggers_and_model_export(tmp_path):
     module = ToyModule(n_train=128, val_loaders=1)  # 4 steps per epoch at batch 32
     on_demand = SaveOnDemand()
     directory = tmp_path / "ckpt"
-    args = trainer_args(tmp_path, epochs=5, save_dir=str(directory), period=2, save_every_n_steps=5)
+    args = trainer_args(tmp_path, epochs=5, save_dir=str(directory), period=2, save_every_n_steps=5, keep_last_n=None)
     trainer = Trainer(module, args, callbacks=[on_demand])
     trainer.train()
     steps_per_epoch = trainer.estimated_global_steps_per_epoch
@@ -336,7 +336,7 @@ def _ddp_train(rank: int, directory: str, load_filename: Optional[str] = None, e
         log_level="WARNING",
         output_dir=os.path.join(directory, f"out{rank}"),
         checkpointer_args=DefaultCheckpointerArguments(
-            save_dir=os.path.join(directory, "ddp"), save_every_n_steps=3, load_filename=load_filename
+            save_dir=os.path.join(directory, "ddp"), save_every_n_steps=3, load_filename=load_filename, keep_last_n=None
         ),
     )
     trainer = Trainer(ToyModule(dropout=0.1, scheduler="step", seed=11), args, callbacks=[recorder])

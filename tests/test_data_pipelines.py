@@ -162,7 +162,9 @@ def test_a_schedule_needing_the_epoch_length_of_a_stream_names_the_setting(tmp_p
 def test_the_progress_bar_counts_steps_of_a_stream(tmp_path, capsys):
     from framework.callbacks.progress import ProgressBar
 
-    Trainer(StreamModule(Stream()), make_args(tmp_path, disable_tqdm=False), callbacks=[ProgressBar(refresh_seconds=0)]).train()
+    Trainer(
+        StreamModule(Stream()), make_args(tmp_path, disable_tqdm=False), callbacks=[ProgressBar(refresh_seconds=0, style="bar")]
+    ).train()
     drawn = capsys.readouterr().err.replace(" ", "")
     assert "epoch1/1:8step[" in drawn and "/" not in drawn.split("epoch1/1:")[-1].split("step")[0]  # no total
 

@@ -82,6 +82,11 @@ class AbstractCheckpointer(abc.ABC):
         (fresh optimizers, schedulers and counters: fine-tuning from another run)."""
         return False
 
+    def describe(self) -> Optional[str]:
+        """One line on when checkpoints are written, where, and how many are kept (logged when
+        training starts), or None to log nothing."""
+        return None
+
     def wait(self) -> None:
         """Block until background writes finish; re-raise their errors."""
 

@@ -29,7 +29,7 @@ class DefaultCheckpointerArguments:
     """Also save every N optimizer steps (mid-epoch saves resume exactly)."""
     save_at_end: bool = True
     """Save when training ends."""
-    keep_last_n: Optional[int] = None
+    keep_last_n: Optional[int] = 3
     """Keep only the newest N checkpoints, plus the ``keep_best_n`` best (None: keep all)."""
     keep_best_n: int = 0
     """With ``keep_last_n``, also keep the best N checkpoints by ``metric``."""

@@ -15,6 +15,7 @@ from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.async_writer import BackgroundWriter
 from framework.checkpoint.checkpoint import Checkpoint
 from framework.checkpoint.finite import best_first, first_non_finite_tensor, is_finite_score
+from framework.checkpoint.plan import describe_checkpointing
 from framework.run_directory import RunDirectoryInUse, ways_on
 
 logger = logging.getLogger(__name__)
@@ -467,6 +468,9 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
     def saves_at_end(self) -> bool:
         return self.args.save_at_end
+
+    def describe(self) -> Optional[str]:
+        return describe_checkpointing(self.args, self.save_dir)
 
     def restores_model_only(self) -> bool:
         """True with ``reset_optimizers_schedulers``, unless :meth:`load` resumed this run's own checkpoint."""

@@ -1,0 +1,31 @@
+"""The callbacks every run gets unless turned off or given by the user."""
+
+from typing import TYPE_CHECKING, List, Sequence
+
+from framework.callbacks.base import Callback
+from framework.callbacks.model_summary import ModelSummary
+from framework.callbacks.progress import ProgressBar
+
+if TYPE_CHECKING:  # pragma: no cover
+    from framework.arguments import TrainerArguments
+
+
+def with_default_callbacks(callbacks: Sequence[Callback], args: "TrainerArguments") -> List[Callback]:
+    """``callbacks`` with the defaults put first: a :class:`ModelSummary` (unless
+    ``args.model_summary`` is False) and a :class:`ProgressBar` (unless ``args.disable_tqdm``),
+    each only when ``callbacks`` holds none of its kind.
+
+    Example:
+        >>> from framework import TrainerArguments
+        >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments())]
+        ['ModelSummary', 'ProgressBar']
+        >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments(model_summary=False, disable_tqdm=True))]
+        []
+    """
+    given = list(callbacks)
+    defaults: List[Callback] = []
+    if args.model_summary and not any(isinstance(callback, ModelSummary) for callback in given):
+        defaults.append(ModelSummary())
+    if not args.disable_tqdm and not any(isinstance(callback, ProgressBar) for callback in given):
+        defaults.append(ProgressBar())
+    return defaults + given

@@ -15,7 +15,7 @@ from framework import checks
 from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
-from framework.checkpoint import AbstractCheckpointer, Checkpoint
+from framework.checkpoint import AbstractCheckpointer
 from framework.checkpoint.sharded import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
@@ -30,7 +30,7 @@ from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
 from framework.module import ModuleInterface, StepRunner
 from framework.prediction import Predictor
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
-from framework.rng import capture_rng_state, seed_everything
+from framework.rng import seed_everything
 from framework.run_directory import claim_run_directory
 from framework.run_start import log_run_start
 from framework.sample_randomness import LoaderSeeding
@@ -39,13 +39,14 @@ from framework.schedulers import LRSchedules, build_optimizers_schedules
 from framework.stage import Stage
 from framework.step_outputs import as_outputs, concatenate_outputs
 from framework.tbptt import split_along_time
+from framework.trainer_checkpoints import TrainerCheckpoints
 from framework.training_state import PendingRng, TrainingProgress, accumulation_cycles
 from framework.writers import CSVWriter, MetricWriter, TensorBoardWriter
 
 logger = logging.getLogger("framework")
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """Runs epochs of a :class:`ModuleInterface` on a :class:`TrainerBackend`.
 
     The loop in :meth:`_train_epoch` reads like a hand-written PyTorch loop: for each
@@ -150,26 +151,6 @@ class Trainer:
         module.to(self.device)
 
     # -- properties ---------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        """Where the module and batches live."""
-        return self.backend.device
-
-    @property
-    def is_main_process(self) -> bool:
-        """True on rank zero: the rank that prints and writes files."""
-        return self.backend.is_main_process
-
-    @property
-    def global_steps_finished(self) -> int:
-        """Optimizer steps finished (manual optimization: training batches finished)."""
-        return self.progress.global_steps_finished
-
-    @property
-    def epochs_finished(self) -> int:
-        """Epochs finished."""
-        return self.progress.epochs_finished
-
     @property
     def epoch_resumed(self) -> bool:
         """True while the current epoch is one a checkpoint resumed mid-way (False in a fresh epoch)."""
@@ -704,140 +685,6 @@ class Trainer:
             callback.setup(self)
         checks.check_hook_signatures(self.module, *self.callbacks)
         self.hooks.refresh()
-
-    # -- checkpoints ----------------------------------------------------------------------
-    @property
-    def checkpointing_enabled(self) -> bool:
-        """False under ``fast_dev_run``."""
-        return not self.args.fast_dev_run
-
-    def save_checkpoint(self, index: Optional[int] = None, force: bool = True) -> Optional[str]:
-        """Save module, trainer and backend state now (or, with ``force=False``, if ``index`` is due).
-
-        Call it on every rank, at an optimizer-step boundary (e.g. from ``on_end_optimizer_step``)
-        for an exact resume. Every rank builds the state (RNG states are gathered); after a
-        barrier rank zero writes, and its result (where it went, or its error) is broadcast,
-        so every rank waits for the save and every rank raises if it failed.
-        Returns where the checkpoint went, or None when it was not due.
-        """
-        step = self.global_steps_finished
-        position = self._loader_position
-        if self.progress.batches_finished_in_epoch and position is not None and not position.resumable_mid_epoch:
-            position.skip_save(step)  # a checkpoint no later run could resume
-            return None
-        checkpoint = self._current_checkpoint()
-        if self.checkpointer.saves_on_every_rank:  # sharded: every rank writes its shards (errors are agreed)
-            return self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
-        self.backend.barrier()
-        location, error = None, None
-        if self.is_main_process:
-            try:
-                location = self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
-            except Exception as caught:  # re-raised below, after the other ranks learn about it
-                error = caught
-        failure = None if error is None else f"{type(error).__name__}: {error}"
-        location, failure = self.backend.broadcast_object((location, failure))  # the barrier after the save
-        if error is None and failure is not None:
-            raise RuntimeError(f"rank zero failed to save a checkpoint: {failure}")
-        if error is not None:
-            raise error
-        return location
-
-    def _current_checkpoint(self) -> Checkpoint:
-        """The run's state now (collective under DDP: call on every rank)."""
-        trainer_state = self.get_state()  # collective under DDP: every rank builds it
-        step = self.global_steps_finished
-        return Checkpoint(
-            module_state=self.module.get_state(),
-            trainer_state=trainer_state,
-            backend_state=self.backend.get_state(),
-            global_step=step,
-            epoch=self.epochs_finished,
-            # Only values measured on these weights rank the checkpoint (best-k retention).
-            metrics={record["name"]: record["value"] for record in self.history.records if record["step"] == step},
-        )
-
-    def save_model_checkpoint(self) -> Optional[str]:
-        """Write the module's full weights alone (for inference), on rank zero (call on every rank)."""
-        location = None
-        state = self.backend.strategy.unsharded(self.module.get_state())  # fsdp: gathered from the shards
-        if self.is_main_process:
-            location = self.checkpointer.save_model(state, self.global_steps_finished)
-        self.backend.barrier()
-        return location
-
-    def _restore_checkpoint(self) -> None:
-        checkpoint = self.checkpointer.load_into(self._current_checkpoint, self.optimizers)  # sharded: in place
-        steps = self.backend.all_gather_object(None if checkpoint is None else checkpoint.global_step)
-        if len(set(steps)) > 1:
-            raise RuntimeError(
-                f"the ranks loaded different checkpoints (global step per rank: {steps}); every rank must "
-                f"see the same checkpoint directory: use a shared filesystem or URL for save_dir/load_dir"
-            )
-        if checkpoint is None:
-            return
-        path = getattr(self.checkpointer, "loaded_from", None)
-        with checks.naming_missing_keys(path, "module state"):
-            self.module.update_state(checkpoint.module_state)
-        if self.checkpointer.restores_model_only():  # reset_optimizers_schedulers: weights only
-            return
-        checks.check_optimizer_state_compatible(checkpoint.trainer_state, self.optimizers, self.schedulers, path)
-        with checks.naming_missing_keys(path, "trainer state"):
-            self.backend.update_state(checkpoint.backend_state)
-            self.update_state(checkpoint.trainer_state)
-
-    def get_state(self) -> Dict[str, Any]:
-        """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
-        schedulers, callbacks, history, and per rank: RNG states, running losses, logged values.
-        Collective under DDP (the per-rank part is gathered): call it on every rank."""
-        rank_local = {  # differs between ranks: gathered, each rank restores its own
-            "rng": capture_rng_state(),
-            **self.losses.state_dict(),
-            "logged_values": self._metrics.state_dict(),
-            "loader": None if self._loader_position is None else self._loader_position.state_dict(),
-        }
-        return {
-            **self.progress.state_dict(self.backend.world_size, self.train_step_batch_size),
-            "should_stop": self.should_stop,
-            "ranks": self.backend.all_gather_object(rank_local),
-            "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
-            "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
-            "callbacks": [{"type": type(callback).__name__, "state": callback.get_state()} for callback in self.callbacks],
-            "checkpointer": self.checkpointer.get_state(),
-            "history": self.history.state_dict(),
-        }
-
-    def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned (optimizers must exist: call inside train)."""
-        world_size = self.backend.world_size
-        self.progress.load_state_dict(state, world_size, self.train_step_batch_size, self.gradient_accumulation)
-        ranks = state["ranks"]
-        if len(ranks) != world_size:
-            logger.warning(
-                "checkpoint written by %d ranks, resumed on %d: RNG streams and running losses are taken from "
-                "rank (this rank mod %d)",
-                len(ranks),
-                world_size,
-                len(ranks),
-            )
-        mine = ranks[self.backend.rank % len(ranks)]
-        self.losses.load_state_dict(mine)
-        self._metrics.load_state_dict(mine["logged_values"], self.device)
-        self._loader_position.load_state_dict(mine.get("loader"))
-        self._pending_rng.set(mine["rng"])  # restored around the train loader's iterator (see _start_epoch)
-        self.should_stop = bool(state["should_stop"])
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
-        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
-            scheduler.load_state_dict(scheduler_state)
-        saved_callbacks = list(state["callbacks"])
-        for callback in self.callbacks:  # matched by class name, in order
-            match = next((entry for entry in saved_callbacks if entry["type"] == type(callback).__name__), None)
-            if match is not None:
-                saved_callbacks.remove(match)
-                callback.update_state(match["state"])
-        self.checkpointer.update_state(state.get("checkpointer", {}))
-        self.history.load_state_dict(state["history"])
 
     def close(self) -> None:
         """Wait for background saves and leave the process group."""

@@ -148,12 +148,11 @@ def test_two_rank_checkpoint_resumes_on_one_rank(runs):
     stopped = os.path.join(out, "stopped")
     args = arguments("fsdp", stopped)
     args.checkpointer_args.resume = "auto"
+    saved = sorted(name for name in os.listdir(os.path.join(stopped, "checkpoints")) if name.startswith("checkpoint-"))
+    assert saved[0] == f"checkpoint-{STOP_AT - 1:09d}"  # the stopped run's keep_last_n=2 removed step 1's directory
     trainer = Trainer(TinyTransformer(), args)
     trainer.train()
     assert trainer.checkpointer.loaded_from.endswith(f"checkpoint-{STOP_AT:09d}")
-    assert sorted(name for name in os.listdir(os.path.join(stopped, "checkpoints")) if name.startswith("checkpoint-"))[0] == (
-        f"checkpoint-{STOP_AT - 1:09d}"  # keep_last_n=2 removed step 1's directory
-    )
     assert trainer.global_steps_finished == EPOCHS * STEPS_PER_EPOCH
     assert max_difference(full_weights(trainer), rank0["fsdp"]) <= 1e-5
 

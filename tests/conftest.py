@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 
@@ -16,3 +17,14 @@ def _one_thread():
 
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture
+def framework_log():
+    """Messages of the ``framework`` logger (which does not propagate to pytest's caplog)."""
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("framework").addHandler(handler)
+    yield messages
+    logging.getLogger("framework").removeHandler(handler)

@@ -5,7 +5,6 @@ checkpoints, ordered samplers resume, and worker randomness survives a resume.""
 import collections
 import dataclasses
 import functools
-import logging
 import os
 from typing import Any, Dict, List, NamedTuple
 
@@ -179,17 +178,6 @@ class OwnRandomSampler(ToyModule):
 
 def checkpoints_in(directory) -> List[str]:
     return sorted(name for name in os.listdir(directory) if name.startswith("checkpoint-"))
-
-
-@pytest.fixture
-def framework_log():
-    """Messages of the ``framework`` logger (which does not propagate to pytest's caplog)."""
-    messages: List[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("framework").addHandler(handler)
-    yield messages
-    logging.getLogger("framework").removeHandler(handler)
 
 
 def test_a_loader_that_cannot_resume_mid_epoch_is_saved_only_at_epoch_ends(tmp_path, framework_log):

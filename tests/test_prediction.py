@@ -2,10 +2,8 @@
 a path first (the same file on every rank), predict gives every sample once in dataset order
 (in memory on rank zero, or on disk per rank), on sp, sp-amp and 2 gloo ranks."""
 
-import logging
 import os
 import pathlib
-from typing import List
 
 import pytest
 import torch
@@ -74,16 +72,6 @@ def make_args(out, backend="sp", **overrides) -> TrainerArguments:
     )
     values.update(overrides)
     return TrainerArguments(**values)
-
-
-@pytest.fixture
-def framework_log():
-    messages: List[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("framework").addHandler(handler)
-    yield messages
-    logging.getLogger("framework").removeHandler(handler)
 
 
 def test_predict_gives_every_sample_once_in_dataset_order(tmp_path):

@@ -2,7 +2,6 @@
 monitor), checked against a hand-written loop on sp and on 2 gloo ranks; ReduceLROnPlateau
 once per epoch; a missing monitored metric names what exists; exact resume; the start log."""
 
-import logging
 import math
 from typing import List
 
@@ -249,14 +248,3 @@ def test_describe_and_bare_defaults():
     assert ScheduledLR(onecycle, "step", frequency=4).describe(2) == "scheduler 2: OneCycleLR, every 4 steps"
     assert schedules.schedulers == [onecycle, plateau]
     assert math.isclose(optimizer.param_groups[0]["lr"], 0.1 / 25)
-
-
-@pytest.fixture
-def framework_log():
-    """Messages of the ``framework`` logger (which does not propagate to pytest's caplog)."""
-    messages: List[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("framework").addHandler(handler)
-    yield messages
-    logging.getLogger("framework").removeHandler(handler)

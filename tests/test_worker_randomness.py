@@ -1,9 +1,7 @@
 """Resume is bitwise with DataLoader workers: persistent workers at an epoch boundary, and random
 augmentation drawn from ``framework.sample_generator(index)`` at any step, with num_workers=2."""
 
-import logging
 import os
-from typing import List
 
 import pytest
 import torch
@@ -72,16 +70,6 @@ def run(tmp_path, name, noise="none", persistent=False, save_at_end=True, **over
     if iterator is not None:
         iterator._shutdown_workers()
     return flat_parameters(module)
-
-
-@pytest.fixture
-def framework_log():
-    messages: List[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("framework").addHandler(handler)
-    yield messages
-    logging.getLogger("framework").removeHandler(handler)
 
 
 def test_persistent_workers_resume_at_an_epoch_boundary_bitwise(tmp_path):

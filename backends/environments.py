@@ -20,10 +20,10 @@ import logging
 import os
 import subprocess
 import zlib
-from importlib import metadata
 from typing import Callable, Dict, List, Mapping, Optional, Type, TypeVar, Union
 
 from backends.hostlist import first_host
+from backends.plugins import register_entry_points
 
 logger = logging.getLogger(__name__)
 
@@ -539,14 +539,7 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry_point.name in _registry:
-            logger.warning("cluster environment plugin %r (%s) ignored: the name is taken", entry_point.name, entry_point.value)
-            continue
-        try:
-            register_cluster_environment(entry_point.name, entry_point.load())
-        except Exception as error:  # a broken plugin must not hide the others
-            logger.warning("cluster environment plugin %r (%s) failed to load: %s", entry_point.name, entry_point.value, error)
+    register_entry_points(ENTRY_POINT_GROUP, _registry, register_cluster_environment, "cluster environment", logger)
 
 
 def reload_cluster_environment_entry_points() -> None:

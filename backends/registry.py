@@ -2,11 +2,11 @@
 
 import importlib
 import logging
-from importlib import metadata
 from typing import Callable, Dict, List, Optional, TypeVar, Union
 
 from backends.base import TrainerBackend
 from backends.fsdp import FSDP
+from backends.plugins import register_entry_points
 from backends.precision import FullPrecision, MixedPrecision
 from backends.strategies import DDP, SingleProcess
 
@@ -76,23 +76,7 @@ def _load_entry_points() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry_point.name in _registry:
-            try:
-                same = _registry[entry_point.name] is entry_point.load()
-            except Exception:
-                same = False
-            if not same:
-                logger.warning(
-                    "backend plugin %r (%s) ignored: the name is already registered; pick another name",
-                    entry_point.name,
-                    entry_point.value,
-                )
-            continue
-        try:
-            register_backend(entry_point.name, entry_point.load())
-        except Exception as error:  # a broken plugin must not hide the others
-            logger.warning("backend plugin %r (%s) failed to load: %s", entry_point.name, entry_point.value, error)
+    register_entry_points(ENTRY_POINT_GROUP, _registry, register_backend, "backend", logger)
 
 
 def reload_entry_points() -> None:

@@ -343,7 +343,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
                     written_step,
                     path.rsplit("/", 1)[-1] + STALE_SUFFIX,
                 )
-                self._fs.mv(path, path + STALE_SUFFIX)
+                self._move_checkpoint(path, path + STALE_SUFFIX)
         paths = [path for step, path in entries if step <= written_step]
         for path in storage.list_files(self._fs, self._dir):
             if _CHECKPOINT_TEMPORARY.match(path.rsplit("/", 1)[-1]):  # left by a process killed while saving
@@ -358,8 +358,16 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 keep.update(present[name] for name in best_first(scores, self.args.mode)[: self.args.keep_best_n])
             for path in paths:
                 if path not in keep:
-                    self._fs.rm(path)
+                    self._remove_checkpoint(path)
                     self._scores.pop(_basename(path), None)
+
+    def _move_checkpoint(self, path: str, target: str) -> None:
+        """Rename one checkpoint (a file here; a directory in a sharded checkpointer)."""
+        self._fs.mv(path, target)
+
+    def _remove_checkpoint(self, path: str) -> None:
+        """Delete one checkpoint (a file here; a directory in a sharded checkpointer)."""
+        self._fs.rm(path)
 
     def best_checkpoint(self) -> Optional[str]:
         """URL of the best checkpoint by ``metric`` among those this run scored (NaN and inf

@@ -34,7 +34,7 @@ from framework.checkpoint import storage
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.checkpoint import Checkpoint
-from framework.checkpoint.default import STALE_SUFFIX, DefaultCheckpointer, copy_to_cpu, loaded_directory
+from framework.checkpoint.default import DefaultCheckpointer, copy_to_cpu, loaded_directory
 
 logger = logging.getLogger(__name__)
 
@@ -251,32 +251,11 @@ class ShardedCheckpointer(DefaultCheckpointer):
                 named.append((int(match.group(1)), entry["name"].rstrip("/")))
         return sorted(named, reverse=True)
 
-    def _apply_retention(self, written_step: int) -> None:
-        entries = self._checkpoint_entries(self._fs, self._dir)
-        for step, path in entries:
-            if step > written_step:
-                logger.warning(
-                    "checkpoint %s is newer (step %d) than the one this run just wrote (step %d): it comes from a run "
-                    "that was resumed from an older checkpoint; renamed to %s so it is never resumed from",
-                    self._fs.unstrip_protocol(path),
-                    step,
-                    written_step,
-                    path.rsplit("/", 1)[-1] + STALE_SUFFIX,
-                )
-                self._fs.mv(path, path + STALE_SUFFIX, recursive=True)
-        paths = [path for step, path in entries if step <= written_step]
-        if self.args.keep_last_n is None:
-            return
-        keep = set(paths[: self.args.keep_last_n])
-        with self._lock:
-            if self.args.keep_best_n:
-                scored = [path for path in paths if _basename(path) in self._scores]
-                scored.sort(key=lambda path: self._scores[_basename(path)], reverse=self.args.mode == "max")
-                keep.update(scored[: self.args.keep_best_n])
-            for path in paths:
-                if path not in keep:
-                    self._fs.rm(path, recursive=True)
-                    self._scores.pop(_basename(path), None)
+    def _move_checkpoint(self, path: str, target: str) -> None:
+        self._fs.mv(path, target, recursive=True)
+
+    def _remove_checkpoint(self, path: str) -> None:
+        self._fs.rm(path, recursive=True)
 
     # -- loading --------------------------------------------------------------------
     def load(self) -> Optional[Checkpoint]:

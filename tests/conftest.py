@@ -1,4 +1,3 @@
-import logging
 import os
 import sys
 
@@ -22,9 +21,7 @@ def _one_thread():
 @pytest.fixture
 def framework_log():
     """Messages of the ``framework`` logger (which does not propagate to pytest's caplog)."""
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("framework").addHandler(handler)
-    yield messages
-    logging.getLogger("framework").removeHandler(handler)
+    from logs import captured_log
+
+    with captured_log("framework") as messages:
+        yield messages

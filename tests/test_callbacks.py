@@ -6,12 +6,12 @@ import logging
 import math
 import os
 import sys
-from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Iterator, List
+from typing import List
 
 import pytest
 import torch
+from logs import captured_log
 
 from distributed import run_ranks
 from toy import ToyModule, flat_parameters, toy_args
@@ -37,20 +37,6 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 make_args = functools.partial(toy_args, epochs=2, train_batch_size=32)
-
-
-@contextmanager
-def captured_log(name: str) -> Iterator[List[str]]:
-    """Messages that reach logger ``name`` (framework loggers do not propagate to pytest's)."""
-    messages: List[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
 
 
 class NaNAtStep(ToyModule):

@@ -4,13 +4,12 @@ that ignores the sampler or batch size under DDP, and an explained error for a r
 that outgrows its OneCycleLR schedule."""
 
 import io
-import logging
 import os
 import re
-from contextlib import contextmanager
-from typing import Iterator, List
+from typing import List
 
 import pytest
+from logs import captured_log
 from torch.utils.data import DataLoader
 
 from distributed import run_ranks
@@ -34,20 +33,6 @@ def make_args(tmp_path, name: str = "run", checkpoints: DefaultCheckpointerArgum
     }
     values.update(overrides)
     return TrainerArguments(checkpointer_args=checkpoints or DefaultCheckpointerArguments(period=0, save_at_end=False), **values)
-
-
-@contextmanager
-def captured_log(name: str = "framework") -> Iterator[List[str]]:
-    """Messages that reach logger ``name`` (and its children) at the levels it lets through."""
-    messages: List[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
 
 
 def checkpoint_names(directory) -> List[str]:

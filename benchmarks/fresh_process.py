@@ -1,0 +1,227 @@
+"""The whole run as a user pays for it: each run a fresh process, alternating with the raw loop.
+
+Every run is a new ``python`` process (``--child NAME --epochs E``) that imports what it
+needs, builds its data and model and trains the tiny MLP of ``overhead.py`` (32-64-64-10,
+batch 32, AdamW, 8192 in-memory samples: 256 steps per epoch, one torch thread). The parent
+times each process from start to exit; the child reports the time of its training call
+(``train()`` for the framework, the loop for the raw code). Runs alternate within a round:
+raw, framework with extras off, framework at its defaults, then the peers that are installed
+(``pip install -e ".[bench]"``: Lightning Fabric, Lightning, Accelerate).
+
+Over 1, 2 and 4 epochs it fits, per runner, the seconds per step (the slope: what grows with
+the run) and the fixed cost (the intercept: imports, set-up, first-step warm-up), and prints
+each as a ratio to the raw loop's. It also times ``import torch`` against ``import framework``
+in fresh processes.
+
+    python benchmarks/fresh_process.py [--repeats 5] [--epochs 1 2 4] [--runners raw quiet defaults fabric]
+
+Targets (issue "Performance: the whole run"): the 1024-step ``train()`` at most 1.05x the raw
+loop with extras off and 1.08x at the defaults; the per-step cost below Fabric's; ``import
+framework`` within 0.25 s of ``import torch``.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Sequence, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PEERS = {"fabric": "lightning", "lightning": "lightning", "accelerate": "accelerate"}
+RUNNERS = ("raw", "quiet", "defaults", *PEERS)
+
+
+# -- the children: one training run each, in a fresh process ----------------------------------
+def _child(name: str, epochs: int, output_dir: str) -> float:
+    """Train in this process with runner ``name``; return the training call's seconds."""
+    import torch
+
+    torch.set_num_threads(1)
+    sys.path[:0] = [HERE, ROOT]
+    from overhead import make_data, raw_loop
+
+    data = make_data()
+    if name == "raw":
+        return raw_loop(data, epochs)
+    if name in ("quiet", "defaults"):
+        from overhead import framework_loop
+
+        return framework_loop(data, epochs, "sp", output_dir, quiet=name == "quiet")
+    return PEER_LOOPS[name](data, epochs, output_dir)
+
+
+def _fabric_loop(data, epochs: int, output_dir: str) -> float:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from overhead import BATCH, make_net
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    net = make_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net, optimizer = fabric.setup(net, optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH, shuffle=True))
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = F.cross_entropy(net(x), y)
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def _lightning_loop(data, epochs: int, output_dir: str) -> float:
+    import lightning as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from overhead import BATCH, make_net
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=output_dir,
+    )
+    module, loader = Module(), DataLoader(data, batch_size=BATCH, shuffle=True)
+    start = time.perf_counter()
+    trainer.fit(module, loader)
+    return time.perf_counter() - start
+
+
+def _accelerate_loop(data, epochs: int, output_dir: str) -> float:
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from overhead import BATCH, make_net
+
+    accelerator = Accelerator(cpu=True)
+    net = make_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net, optimizer, loader = accelerator.prepare(net, optimizer, DataLoader(data, batch_size=BATCH, shuffle=True))
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = F.cross_entropy(net(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+PEER_LOOPS: Dict[str, Callable[..., float]] = {
+    "fabric": _fabric_loop,
+    "lightning": _lightning_loop,
+    "accelerate": _accelerate_loop,
+}
+
+
+# -- the parent: fresh processes, alternating --------------------------------------------------
+def run_process(arguments: Sequence[str]) -> Tuple[float, str]:
+    """Run ``python ARGUMENTS`` in a fresh process; return its wall seconds and its last stdout line."""
+    environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    start = time.perf_counter()
+    finished = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, env=environment, cwd=ROOT)
+    seconds = time.perf_counter() - start
+    if finished.returncode != 0:
+        raise SystemExit(f"{' '.join(arguments)} failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
+    lines = finished.stdout.strip().splitlines()
+    return seconds, lines[-1] if lines else ""
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
+    """Least-squares slope and intercept of ``ys`` over ``xs``."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return slope, mean_y - slope * mean_x
+
+
+def measure_imports(repeats: int) -> Tuple[float, float]:
+    """Median wall seconds of a fresh ``import torch`` and of a fresh ``import framework``."""
+    torch_times, framework_times = [], []
+    for _ in range(repeats):
+        torch_times.append(run_process(["-c", "import torch"])[0])
+        framework_times.append(run_process(["-c", "import framework"])[0])
+    return statistics.median(torch_times), statistics.median(framework_times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; every runner and epoch count once per round")
+    parser.add_argument("--epochs", type=int, nargs="+", default=[1, 2, 4], help="run lengths (256 steps per epoch)")
+    parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
+    parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.child:
+        with tempfile.TemporaryDirectory() as output_dir:
+            print(json.dumps({"train_seconds": _child(options.child, options.epochs[0], output_dir)}))
+        return
+    runners = [name for name in options.runners if name not in PEERS or importlib.util.find_spec(PEERS[name])]
+    skipped = sorted(set(options.runners) - set(runners))
+    if skipped:
+        print(f"not installed, left out: {', '.join(skipped)} (pip install -e '.[bench]')")
+    process: Dict[Tuple[str, int], List[float]] = {}
+    training: Dict[Tuple[str, int], List[float]] = {}
+    for _ in range(options.repeats):
+        for epochs in options.epochs:
+            for name in runners:
+                seconds, line = run_process([__file__, "--child", name, "--epochs", str(epochs)])
+                process.setdefault((name, epochs), []).append(seconds)
+                training.setdefault((name, epochs), []).append(json.loads(line)["train_seconds"])
+    steps = [256 * epochs for epochs in options.epochs]
+    longest = max(options.epochs)
+    print(f"{options.repeats} rounds, fresh processes alternating; medians; 1 torch thread; steps per run {steps}")
+    header = [("us/step", 9), ("ratio", 7), ("fixed s", 9), ("ratio", 7), ("process s", 11), ("ratio", 7)]
+    header += [("train s", 9), ("ratio", 7)]
+    print(f"{'runner':<11}" + "".join(f"{title:>{width}}" for title, width in header))
+    reference: Dict[str, float] = {}
+    for name in runners:
+        medians = [statistics.median(process[(name, epochs)]) for epochs in options.epochs]
+        slope, intercept = fit_line(steps, medians)
+        whole = statistics.median(process[(name, longest)])
+        train = statistics.median(training[(name, longest)])
+        figures = {"slope": slope, "intercept": intercept, "whole": whole, "train": train}
+        reference = reference or figures
+        ratios = {key: value / reference[key] if reference[key] > 0 else float("nan") for key, value in figures.items()}
+        print(
+            f"{name:<11}{1e6 * slope:>9.1f}{ratios['slope']:>7.3f}{intercept:>9.3f}{ratios['intercept']:>7.3f}"
+            f"{whole:>11.3f}{ratios['whole']:>7.3f}{train:>9.3f}{ratios['train']:>7.3f}"
+        )
+    print(f"(process s and train s: the {256 * longest}-step run; ratios to the first runner, {runners[0]})")
+    torch_seconds, framework_seconds = measure_imports(options.repeats)
+    print(
+        f"import torch {torch_seconds:.3f} s, import framework {framework_seconds:.3f} s: "
+        f"+{framework_seconds - torch_seconds:.3f} s (target <= 0.25)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -44,16 +44,43 @@ def _child(name: str, epochs: int, output_dir: str) -> float:
 
     torch.set_num_threads(1)
     sys.path[:0] = [HERE, ROOT]
-    from overhead import make_data, raw_loop
+    from overhead import make_data
 
     data = make_data()
     if name == "raw":
-        return raw_loop(data, epochs)
+        return _raw_loop(data, epochs)
     if name in ("quiet", "defaults"):
         from overhead import framework_loop
 
         return framework_loop(data, epochs, "sp", output_dir, quiet=name == "quiet")
     return PEER_LOOPS[name](data, epochs, output_dir)
+
+
+def _raw_loop(data, epochs: int) -> float:
+    """The hand-written loop with plain torch (no framework import), timed as ``train()`` is: from
+    building the optimizer, sampler and loader (the first optimizer imports ``torch._dynamo``) to
+    the last step."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from overhead import BATCH, make_net
+
+    from backends import ResumableSampler
+
+    net = make_net()
+    start = time.perf_counter()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    sampler = ResumableSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
 
 
 def _fabric_loop(data, epochs: int, output_dir: str) -> float:

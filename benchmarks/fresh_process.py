@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if not options.child and len(set(options.epochs)) < 2:
+        parser.error(f"--epochs needs at least two different run lengths to fit a slope, got {options.epochs}")
     if options.child:
         with tempfile.TemporaryDirectory() as output_dir:
             print(json.dumps({"train_seconds": _child(options.child, options.epochs[0], output_dir)}))

@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, nargs="+", default=[5, 10, 20])
     parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if not options.child and len(set(options.epochs)) < 2:
+        parser.error(f"--epochs needs at least two different run lengths to fit a slope, got {options.epochs}")
     if options.child:
         import torch
 

@@ -15,7 +15,6 @@ process: plugins (unless registered ``before`` a later name), then ``torchrun``,
   allocation starts its daemons with ``srun``, or its processes from the batch shell).
 """
 
-import importlib
 import logging
 import os
 import subprocess
@@ -540,14 +539,6 @@ def _load_entry_points() -> None:
         return
     _entry_points_loaded = True
     register_entry_points(ENTRY_POINT_GROUP, _registry, register_cluster_environment, "cluster environment", logger)
-
-
-def reload_cluster_environment_entry_points() -> None:
-    """Look for entry-point plugins again (after installing a package at run time)."""
-    global _entry_points_loaded
-    importlib.invalidate_caches()
-    _entry_points_loaded = False
-    _load_entry_points()
 
 
 def available_cluster_environments() -> List[str]:

@@ -48,10 +48,6 @@ class MetricHistory:
                 return record["value"]
         return default
 
-    def latest_values(self) -> Dict[str, float]:
-        """The newest value of every metric."""
-        return {record["name"]: record["value"] for record in self.records}
-
     def names(self) -> List[str]:
         """Metric names in first-seen order."""
         return list(dict.fromkeys(record["name"] for record in self.records))
@@ -301,7 +297,3 @@ def reduce_metrics(
         for name, value in zip(names, reduced.tolist()):
             result[name] = value
     return {name: result[name] for name in entries}
-
-
-def is_finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))

@@ -250,19 +250,6 @@ def build_optimizers_schedules(
     return optimizers, LRSchedules(scheduled)
 
 
-def build_optimizers_schedulers(
-    module: Any, estimated_global_steps_per_epoch: Optional[int], epochs: int
-) -> Tuple[List[torch.optim.Optimizer], List[Any]]:
-    """``module.get_optimizers_schedulers(...)`` as two lists (scheduler dicts unwrapped).
-
-    Raises:
-        TypeError: the module's method failed on ``estimated_global_steps_per_epoch=None``.
-        TypeError, ValueError: not ``([optimizers], [schedulers])`` (see :func:`check_optimizers_schedulers`).
-    """
-    optimizers, schedules = build_optimizers_schedules(module, estimated_global_steps_per_epoch, epochs)
-    return optimizers, schedules.schedulers
-
-
 def _call(module: Any, estimated_global_steps_per_epoch: Optional[int], epochs: int) -> Any:
     """With a train loader of unknown length (a stream), ``estimated_global_steps_per_epoch`` is
     None; a schedule that computes with it fails in user code with a bare ``TypeError``, which

@@ -183,6 +183,10 @@ class Strategy:
     def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:
         """Called before every manual backward (DDP re-arms its gradient reducer there)."""
 
+    def refresh_parameters(self, wrapped: torch.nn.Module) -> None:
+        """Called after every manual backward and optimizer step, inside ``train_step``
+        (FSDP gathers the updated shards again there); nothing to do where parameters are whole."""
+
     def explain_failure(self, error: BaseException) -> Optional[str]:
         """A sentence on what a distributed failure means and what to change, or None."""
         return None

@@ -149,12 +149,13 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         """The schedulers (one alone, several as a list, None without); step them yourself."""
         return one_or_list(self._manual_optimization("lr_schedulers").schedulers)
 
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` through the backend: fp16 loss scaling, DDP gradient sync.
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward(*args, **kwargs)`` through the backend: fp16 loss scaling, DDP and
+        FSDP gradient sync. ``args``/``kwargs`` are ``Tensor.backward``'s (``retain_graph=True``).
 
         May be called several times per ``train_step`` (one per optimizer, or per chunk).
         """
-        self._manual_optimization("manual_backward").backward(loss)
+        self._manual_optimization("manual_backward").backward(loss, *args, **kwargs)
 
     def clip_gradients(
         self, optimizer: Any, max_norm: Optional[float] = None, max_value: Optional[float] = None

@@ -424,6 +424,13 @@ class DDP(Strategy):
 
     def explain_failure(self, error: BaseException) -> Optional[str]:
         text = str(error).lower()
+        if self.distributed and "find_unused_parameters" in text and not self.find_unused_parameters:
+            return (
+                "DDP found parameters that did not receive a gradient in this step (a branch or a network the loss "
+                "did not use, e.g. a GAN's generator in the discriminator's backward); set "
+                "TrainerArguments.find_unused_parameters=True (--trainer.find_unused_parameters true) for a model "
+                "whose graph skips parameters. DDP said: " + str(error).strip().splitlines()[0][:300]
+            )
         if self.distributed and ("timed out" in text or "timeout" in text):
             return (
                 f"a collective waited longer than ddp_timeout={self.timeout_seconds:g}s for another rank: a rank is "

@@ -175,7 +175,8 @@ def check_hook_signatures(*targets: Any) -> None:
             implementation = getattr(target, name, None)
             if implementation is None or getattr(implementation, "__func__", None) is getattr(TrainingHooks, name):
                 continue
-            problem = _signature_problem(implementation, inspect.signature(getattr(TrainingHooks, name)))
+            reference = inspect.signature(getattr(TrainingHooks, name))
+            problem = _signature_problem(implementation, reference, _ALWAYS_OUTPUTS.get(name, 0))
             if problem:
                 expected = _format_expected(name)
                 raise TypeError(
@@ -184,7 +185,18 @@ def check_hook_signatures(*targets: Any) -> None:
                 )
 
 
-def _signature_problem(implementation: Any, reference: inspect.Signature) -> Optional[str]:
+_ALWAYS_OUTPUTS = {
+    "on_end_train_step": 1,  # the loss at least
+    "on_end_val_step": 1,
+    "on_end_test_step": 1,
+    "on_end_val_epoch": 1,
+    "on_end_test_epoch": 1,
+}
+"""Hooks with ``*outputs`` that always receive at least this many outputs (``on_end_train_epoch``
+receives them only with ``collect_train_outputs``)."""
+
+
+def _signature_problem(implementation: Any, reference: inspect.Signature, always_outputs: int = 0) -> Optional[str]:
     if not callable(implementation):
         return f"it is a {type(implementation).__name__}, not a method"
     try:
@@ -201,6 +213,11 @@ def _signature_problem(implementation: Any, reference: inspect.Signature) -> Opt
     has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters)
     if len(positional) < len(fixed) and not has_var_positional:
         return f"it takes {len(positional)} positional argument(s), the trainer passes {len(fixed)}"
+    if takes_outputs and len(positional) < len(fixed) + always_outputs and not has_var_positional:
+        return (
+            f"it takes {len(positional)} positional argument(s), the trainer passes {len(fixed)} and then the step's "
+            "outputs (at least the loss): add *outputs"
+        )
     required = [p for p in positional if p.default is p.empty]
     if not takes_outputs and len(required) > len(fixed):
         return f"it requires {len(required)} positional arguments, the trainer passes {len(fixed)}"

@@ -218,6 +218,28 @@ def test_a_module_hook_with_a_wrong_signature_fails_at_setup(tmp_path):
     assert module.steps_run == 0
 
 
+def test_a_step_hook_without_room_for_the_outputs_fails_at_setup(tmp_path):
+    class NoOutputs(CountingSteps):
+        def on_end_train_step(self, global_step):
+            pass
+
+    class NoValOutputs(Callback):
+        def on_end_val_step(self, global_step, key):
+            pass
+
+    module = NoOutputs()
+    with pytest.raises(
+        TypeError,
+        match=r"NoOutputs.on_end_train_step\(global_step\) does not fit the hook: it is called as "
+        r"on_end_train_step\(global_step, \*outputs\) \(it takes 1 positional argument\(s\), the trainer passes 1 and "
+        r"then the step's outputs \(at least the loss\): add \*outputs\)",
+    ):
+        Trainer(module, arguments(tmp_path)).train()
+    assert module.steps_run == 0
+    with pytest.raises(TypeError, match=r"NoValOutputs.on_end_val_step\(global_step, key\) does not fit the hook"):
+        Trainer(CountingSteps(), arguments(tmp_path / "val"), callbacks=[NoValOutputs()]).train()
+
+
 def test_a_callback_hook_without_key_fails_at_setup(tmp_path):
     class NoKey(Callback):
         def on_end_val_epoch(self, global_step, *outputs):

@@ -196,6 +196,40 @@ _ALWAYS_OUTPUTS = {
 receives them only with ``collect_train_outputs``)."""
 
 
+def check_module_setup(module: Any) -> None:
+    """Refuse a module ``setup`` that cannot be called as ``setup()`` (e.g. Lightning's ``setup(self, stage)``).
+
+    Raises:
+        TypeError: names the module, its signature and the expected one.
+
+    Example:
+        >>> class Ported(torch.nn.Module):
+        ...     def setup(self, stage):
+        ...         pass
+        >>> check_module_setup(Ported())
+        Traceback (most recent call last):
+        ...
+        TypeError: Ported.setup(stage) does not fit the hook: it is called as setup(), once, on every rank, by Trainer(...) (give stage a default or remove it)
+    """  # noqa: E501 - a doctest's expected error message is one line
+    setup = getattr(module, "setup", None)
+    if setup is None:
+        return
+    try:
+        inspect.signature(setup).bind()
+    except TypeError:
+        required = [
+            p.name
+            for p in inspect.signature(setup).parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        raise TypeError(
+            f"{type(module).__name__}.setup{_format_signature(setup)} does not fit the hook: it is called as setup(), "
+            f"once, on every rank, by Trainer(...) (give {', '.join(required)} a default or remove it)"
+        ) from None
+    except ValueError:
+        return  # a C callable: cannot tell
+
+
 def _signature_problem(implementation: Any, reference: inspect.Signature, always_outputs: int = 0) -> Optional[str]:
     if not callable(implementation):
         return f"it is a {type(implementation).__name__}, not a method"

@@ -97,6 +97,16 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
             )
         return self(batch)
 
+    def setup(self) -> None:
+        """Build what depends on the rank, once, on every rank (Lightning's ``setup``).
+
+        Called by ``Trainer(...)`` after the process group is joined, so ``self.global_rank``
+        and ``self.world_size`` are known, and before any loader, optimizer or wrapper is
+        built (layers created here are trained, moved to the device and sharded like the
+        rest). E.g. an environment seeded by rank:
+        ``self.env = make_env(seed=1000 + self.global_rank)``.
+        """
+
     def sharding_units(self) -> Optional[List[torch.nn.Module]]:
         """The submodules that are sharded (``fsdp``) and compiled (``compile=True``) as one unit each.
 

@@ -169,9 +169,12 @@ class TrainerBackend:
         """Context for one micro-batch; skips the gradient all-reduce when asked."""
         return self.strategy.no_sync(wrapped, skip_gradient_sync)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss`` (scaled, under fp16)."""
-        self.precision.backward(loss)
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Back-propagate ``loss`` (scaled, under fp16); ``args``/``kwargs`` go to ``Tensor.backward``."""
+        if args or kwargs:
+            self.precision.backward(loss, *args, **kwargs)
+        else:
+            self.precision.backward(loss)  # a plugin's precision may take the loss alone
 
     def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Make gradients true-sized before clipping."""

@@ -10,6 +10,7 @@ import logging
 from typing import Any, ContextManager, Dict, Iterator, Optional
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from backends.batch import map_tensors
@@ -87,7 +88,27 @@ class FSDP(DDP):
         return _without_gradient_sync(wrapped)
 
     def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:
-        """Nothing to do: FSDP2 reduces gradients per unit in its backward hooks, for every backward."""
+        """Make a manual backward reduce-scatter every gradient, as the automatic one does.
+
+        Under manual optimization ``train_step`` (and so each backward) runs inside the
+        root's forward, before FSDP2 hooks the root's outputs; without a hook on ``loss`` the
+        gradients of the root's parameters would stay on the unsharded copies and the
+        optimizer (holding the shards) would never see them. The root's pre-backward hook
+        queues FSDP2's end-of-backward callback, which reduce-scatters every group.
+        """
+        state = _fsdp_state(wrapped)
+        if state is not None and torch.is_grad_enabled() and loss.requires_grad:
+            loss.register_hook(state._pre_backward)
+
+    def refresh_parameters(self, wrapped: torch.nn.Module) -> None:
+        """Gather the root's parameters again after a manual backward (which resharded them)
+        or optimizer step (which changed the shards), for the rest of ``train_step``."""
+        if _fsdp_state(wrapped) is None:
+            return
+        for module in wrapped.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        wrapped.unshard()  # type: ignore[operator]
 
     def unsharded(self, state: Any) -> Any:
         """``state`` with every sharded tensor all-gathered into a full CPU tensor (call it on every rank)."""
@@ -101,6 +122,11 @@ def _without_gradient_sync(wrapped: Any) -> Iterator[None]:
         yield
     finally:
         wrapped.set_requires_gradient_sync(True)
+
+
+def _fsdp_state(wrapped: torch.nn.Module) -> Any:
+    """The FSDP2 state of the root module (None when it was not sharded: one rank)."""
+    return wrapped._get_fsdp_state() if isinstance(wrapped, FSDPModule) else None
 
 
 def _full_cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -33,9 +33,10 @@ class Precision:
         """The context that train, val and test forwards run in."""
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss`` (already divided by the accumulation length)."""
-        loss.backward()
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Back-propagate ``loss`` (already divided by the accumulation length); ``args`` and
+        ``kwargs`` go to ``Tensor.backward`` (``retain_graph=True``)."""
+        loss.backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Bring gradients to their true scale before they are clipped or inspected."""
@@ -140,11 +141,11 @@ class MixedPrecision(Precision):
     def forward_context(self) -> ContextManager:
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         if self.scaler is None:
-            loss.backward()
+            loss.backward(*args, **kwargs)
         else:
-            self.scaler.scale(loss).backward()
+            self.scaler.scale(loss).backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         if self.scaler is not None:

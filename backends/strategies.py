@@ -183,6 +183,10 @@ class Strategy:
     def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:
         """Called before every manual backward (DDP re-arms its gradient reducer there)."""
 
+    def refresh_parameters(self, wrapped: torch.nn.Module) -> None:
+        """Called after every manual backward and optimizer step, inside ``train_step``
+        (FSDP gathers the updated shards again there); nothing to do where parameters are whole."""
+
     def explain_failure(self, error: BaseException) -> Optional[str]:
         """A sentence on what a distributed failure means and what to change, or None."""
         return None
@@ -420,6 +424,13 @@ class DDP(Strategy):
 
     def explain_failure(self, error: BaseException) -> Optional[str]:
         text = str(error).lower()
+        if self.distributed and "find_unused_parameters" in text and not self.find_unused_parameters:
+            return (
+                "DDP found parameters that did not receive a gradient in this step (a branch or a network the loss "
+                "did not use, e.g. a GAN's generator in the discriminator's backward); set "
+                "TrainerArguments.find_unused_parameters=True (--trainer.find_unused_parameters true) for a model "
+                "whose graph skips parameters. DDP said: " + str(error).strip().splitlines()[0][:300]
+            )
         if self.distributed and ("timed out" in text or "timeout" in text):
             return (
                 f"a collective waited longer than ddp_timeout={self.timeout_seconds:g}s for another rank: a rank is "

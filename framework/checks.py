@@ -175,7 +175,8 @@ def check_hook_signatures(*targets: Any) -> None:
             implementation = getattr(target, name, None)
             if implementation is None or getattr(implementation, "__func__", None) is getattr(TrainingHooks, name):
                 continue
-            problem = _signature_problem(implementation, inspect.signature(getattr(TrainingHooks, name)))
+            reference = inspect.signature(getattr(TrainingHooks, name))
+            problem = _signature_problem(implementation, reference, _ALWAYS_OUTPUTS.get(name, 0))
             if problem:
                 expected = _format_expected(name)
                 raise TypeError(
@@ -184,7 +185,52 @@ def check_hook_signatures(*targets: Any) -> None:
                 )
 
 
-def _signature_problem(implementation: Any, reference: inspect.Signature) -> Optional[str]:
+_ALWAYS_OUTPUTS = {
+    "on_end_train_step": 1,  # the loss at least
+    "on_end_val_step": 1,
+    "on_end_test_step": 1,
+    "on_end_val_epoch": 1,
+    "on_end_test_epoch": 1,
+}
+"""Hooks with ``*outputs`` that always receive at least this many outputs (``on_end_train_epoch``
+receives them only with ``collect_train_outputs``)."""
+
+
+def check_module_setup(module: Any) -> None:
+    """Refuse a module ``setup`` that cannot be called as ``setup()`` (e.g. Lightning's ``setup(self, stage)``).
+
+    Raises:
+        TypeError: names the module, its signature and the expected one.
+
+    Example:
+        >>> class Ported(torch.nn.Module):
+        ...     def setup(self, stage):
+        ...         pass
+        >>> check_module_setup(Ported())
+        Traceback (most recent call last):
+        ...
+        TypeError: Ported.setup(stage) does not fit the hook: it is called as setup(), once, on every rank, by Trainer(...) (give stage a default or remove it)
+    """  # noqa: E501 - a doctest's expected error message is one line
+    setup = getattr(module, "setup", None)
+    if setup is None:
+        return
+    try:
+        inspect.signature(setup).bind()
+    except TypeError:
+        required = [
+            p.name
+            for p in inspect.signature(setup).parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        raise TypeError(
+            f"{type(module).__name__}.setup{_format_signature(setup)} does not fit the hook: it is called as setup(), "
+            f"once, on every rank, by Trainer(...) (give {', '.join(required)} a default or remove it)"
+        ) from None
+    except ValueError:
+        return  # a C callable: cannot tell
+
+
+def _signature_problem(implementation: Any, reference: inspect.Signature, always_outputs: int = 0) -> Optional[str]:
     if not callable(implementation):
         return f"it is a {type(implementation).__name__}, not a method"
     try:
@@ -201,6 +247,11 @@ def _signature_problem(implementation: Any, reference: inspect.Signature) -> Opt
     has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters)
     if len(positional) < len(fixed) and not has_var_positional:
         return f"it takes {len(positional)} positional argument(s), the trainer passes {len(fixed)}"
+    if takes_outputs and len(positional) < len(fixed) + always_outputs and not has_var_positional:
+        return (
+            f"it takes {len(positional)} positional argument(s), the trainer passes {len(fixed)} and then the step's "
+            "outputs (at least the loss): add *outputs"
+        )
     required = [p for p in positional if p.default is p.empty]
     if not takes_outputs and len(required) > len(fixed):
         return f"it requires {len(required)} positional arguments, the trainer passes {len(fixed)}"

@@ -37,13 +37,19 @@ class ManualOptimizer:
         tensor([0.5000, 0.5000])
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, backend: TrainerBackend) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, backend: TrainerBackend, wrapped: Optional[torch.nn.Module] = None
+    ) -> None:
         self.optimizer = optimizer
         self._backend = backend
+        self._wrapped = wrapped
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> bool:
         """Step (through the precision); False when fp16 loss scaling skipped the update."""
-        return self._backend.step_optimizers([self.optimizer], closure)
+        stepped = self._backend.step_optimizers([self.optimizer], closure)
+        if self._wrapped is not None:
+            self._backend.strategy.refresh_parameters(self._wrapped)  # FSDP: gather the updated shards
+        return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -83,13 +89,17 @@ class ManualOptimization:
         on_backward: Callable[[torch.Tensor], None],
     ) -> None:
         self.backend = backend
-        self.optimizers = [ManualOptimizer(optimizer, backend) for optimizer in optimizers]
+        self.optimizers = [ManualOptimizer(optimizer, backend, wrapped) for optimizer in optimizers]
         self.schedulers = list(schedulers)
         self.wrapped = wrapped
         self.on_backward = on_backward
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss``: scaled under fp16, gradients synced under DDP."""
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Back-propagate ``loss``: scaled under fp16, gradients synced under DDP and FSDP.
+
+        ``args`` and ``kwargs`` go to ``Tensor.backward`` (``retain_graph=True`` for a second
+        backward through the same graph, ``inputs=...``).
+        """
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             raise ValueError(
                 "manual_backward(loss) needs a tensor that requires grad; got "
@@ -97,7 +107,9 @@ class ManualOptimization:
             )
         if self.wrapped is not None:
             self.backend.strategy.prepare_for_backward(self.wrapped, loss)
-        self.backend.backward(loss)
+        self.backend.backward(loss, *args, **kwargs)
+        if self.wrapped is not None:
+            self.backend.strategy.refresh_parameters(self.wrapped)
         self.on_backward(loss.detach())
 
     def clip_gradients(

@@ -97,6 +97,16 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
             )
         return self(batch)
 
+    def setup(self) -> None:
+        """Build what depends on the rank, once, on every rank (Lightning's ``setup``).
+
+        Called by ``Trainer(...)`` after the process group is joined, so ``self.global_rank``
+        and ``self.world_size`` are known, and before any loader, optimizer or wrapper is
+        built (layers created here are trained, moved to the device and sharded like the
+        rest). E.g. an environment seeded by rank:
+        ``self.env = make_env(seed=1000 + self.global_rank)``.
+        """
+
     def sharding_units(self) -> Optional[List[torch.nn.Module]]:
         """The submodules that are sharded (``fsdp``) and compiled (``compile=True``) as one unit each.
 
@@ -149,12 +159,13 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         """The schedulers (one alone, several as a list, None without); step them yourself."""
         return one_or_list(self._manual_optimization("lr_schedulers").schedulers)
 
-    def manual_backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` through the backend: fp16 loss scaling, DDP gradient sync.
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward(*args, **kwargs)`` through the backend: fp16 loss scaling, DDP and
+        FSDP gradient sync. ``args``/``kwargs`` are ``Tensor.backward``'s (``retain_graph=True``).
 
         May be called several times per ``train_step`` (one per optimizer, or per chunk).
         """
-        self._manual_optimization("manual_backward").backward(loss)
+        self._manual_optimization("manual_backward").backward(loss, *args, **kwargs)
 
     def clip_gradients(
         self, optimizer: Any, max_norm: Optional[float] = None, max_value: Optional[float] = None

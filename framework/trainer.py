@@ -148,6 +148,12 @@ class Trainer(TrainerCheckpoints):
         module.__dict__["_metric_logger"] = self._metrics
         module.__dict__["_trainer"] = self
         seed_everything(args.seed)
+        try:  # rank and world size are known; nothing is built from the module yet
+            checks.check_module_setup(module)
+            module.setup()
+        except BaseException:
+            self.backend.teardown()
+            raise
         module.to(self.device)
 
     # -- properties ---------------------------------------------------------------------

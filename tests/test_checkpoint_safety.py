@@ -8,6 +8,7 @@ import errno
 import io
 import logging
 import os
+import random as random_module
 import re
 import struct
 import zipfile
@@ -522,3 +523,46 @@ def test_failed_write_names_the_checkpoint_and_the_os_error(tmp_path, faulty, as
     assert names_in(directory) == [checkpoint_name(STEPS_PER_EPOCH)]  # no temporary left, the previous one intact
     loaded = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory, resume="auto")).load()
     assert loaded.global_step == STEPS_PER_EPOCH
+
+
+class NumpyStateToy(ToyModule):
+    """Keeps numpy arrays and numpy/Python RNG states in its user state (an RL agent's buffer and generators)."""
+
+    def __init__(self) -> None:
+        super().__init__(n_train=128, scheduler="step")
+        import numpy
+
+        self.buffer = numpy.arange(6, dtype=numpy.float32).reshape(2, 3)
+        self.np_rng = numpy.random.default_rng(5)
+        self.py_rng = random_module.Random(7)
+        self.restored: Dict[str, Any] = {}
+
+    def get_state(self) -> Dict[str, Any]:
+        import numpy
+
+        return {
+            **super().get_state(),
+            "buffer": self.buffer,
+            "np_rng": self.np_rng,
+            "np_global": numpy.random.get_state(),
+            "py_rng": self.py_rng,
+            "py_global": random_module.getstate(),
+            "count": numpy.int64(3),
+        }
+
+    def update_state(self, state: Dict[str, Any]) -> None:
+        super().update_state(state)
+        self.restored = state
+
+
+def test_numpy_arrays_and_rng_states_in_user_state_load_with_weights_only(tmp_path):
+    import numpy
+
+    Trainer(NumpyStateToy(), run_args(tmp_path / "run", epochs=1)).train()
+    resumed = NumpyStateToy()
+    Trainer(resumed, run_args(tmp_path / "run", epochs=2, resume="auto")).train()  # weights_only=True (the default)
+    state = resumed.restored
+    assert state["buffer"].tolist() == [[0, 1, 2], [3, 4, 5]] and state["buffer"].dtype == numpy.float32
+    assert state["np_rng"].random() == numpy.random.default_rng(5).random()
+    assert state["py_rng"].random() == random_module.Random(7).random()
+    assert state["np_global"][0] == "MT19937" and state["count"] == 3 and len(state["py_global"][1]) == 625

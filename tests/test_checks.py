@@ -218,6 +218,61 @@ def test_a_module_hook_with_a_wrong_signature_fails_at_setup(tmp_path):
     assert module.steps_run == 0
 
 
+def test_a_step_hook_without_room_for_the_outputs_fails_at_setup(tmp_path):
+    class NoOutputs(CountingSteps):
+        def on_end_train_step(self, global_step):
+            pass
+
+    class NoValOutputs(Callback):
+        def on_end_val_step(self, global_step, key):
+            pass
+
+    module = NoOutputs()
+    with pytest.raises(
+        TypeError,
+        match=r"NoOutputs.on_end_train_step\(global_step\) does not fit the hook: it is called as "
+        r"on_end_train_step\(global_step, \*outputs\) \(it takes 1 positional argument\(s\), the trainer passes 1 and "
+        r"then the step's outputs \(at least the loss\): add \*outputs\)",
+    ):
+        Trainer(module, arguments(tmp_path)).train()
+    assert module.steps_run == 0
+    with pytest.raises(TypeError, match=r"NoValOutputs.on_end_val_step\(global_step, key\) does not fit the hook"):
+        Trainer(CountingSteps(), arguments(tmp_path / "val"), callbacks=[NoValOutputs()]).train()
+
+
+def test_module_setup_runs_once_knowing_its_rank_before_loaders_and_optimizers(tmp_path):
+    calls = []
+
+    class RankAware(CountingSteps):
+        def setup(self):
+            calls.append(("setup", self.global_rank, self.world_size))
+            self.head = torch.nn.Linear(2, 2)  # built here: trained and checkpointed like the rest
+
+        def get_train_dataloader(self, sampler, batch_size):
+            calls.append(("loader",))
+            return super().get_train_dataloader(sampler, batch_size)
+
+        def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+            calls.append(("optimizers",))
+            return super().get_optimizers_schedulers(estimated_global_steps_per_epoch, epochs)
+
+    module = RankAware()
+    trainer = Trainer(module, arguments(tmp_path, epochs=1))
+    assert calls == [("setup", 0, 1)]
+    trainer.train()
+    assert calls == [("setup", 0, 1), ("loader",), ("optimizers",)]
+    assert any(parameter is module.head.weight for parameter in module.parameters())
+
+
+def test_a_lightning_style_module_setup_with_a_stage_is_refused_at_construction(tmp_path):
+    class Ported(CountingSteps):
+        def setup(self, stage):
+            pass
+
+    with pytest.raises(TypeError, match=r"Ported.setup\(stage\) does not fit the hook: it is called as setup\(\)"):
+        Trainer(Ported(), arguments(tmp_path))
+
+
 def test_a_callback_hook_without_key_fails_at_setup(tmp_path):
     class NoKey(Callback):
         def on_end_val_epoch(self, global_step, *outputs):

@@ -173,6 +173,12 @@ def ddp_scenarios(rank: int, tmp: str) -> dict:
     trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, f"tiny{rank}"), epochs=1))
     trainer.train()
     results["tiny_val"] = _summary(trainer, module)
+    # 6. (last: the failure leaves the process group) unused parameters without the setting.
+    try:
+        Trainer(UnusedParameterToy(scheduler=None), parity_args("ddp", os.path.join(tmp, f"nounused{rank}"), epochs=1)).train()
+        results["unused_error"] = None
+    except RuntimeError as error:
+        results["unused_error"] = str(error)
     return results
 
 
@@ -279,6 +285,14 @@ def test_uneven_iterable_loaders_without_length_do_not_hang(ddp_run):
     assert rank0["steps"] == rank1["steps"] == 4
     assert len(rank0["seen"][0]) == len(rank1["seen"][0]) == 64
     torch.testing.assert_close(rank0["params"], rank1["params"], rtol=0, atol=0)
+
+
+@pytest.mark.distributed
+def test_unused_parameters_error_names_the_framework_setting(ddp_run):
+    for result in ddp_run["ranks"]:
+        message = result["unused_error"]
+        assert message is not None and "--trainer.find_unused_parameters true" in message, message
+        assert "did not receive a gradient" in message
 
 
 @pytest.mark.distributed

@@ -31,6 +31,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from framework.checkpoint import safe_types  # noqa: F401 - allows numpy and random values in user state
+
 logger = logging.getLogger(__name__)
 
 TEMPORARY_SUFFIX = ".tmp"

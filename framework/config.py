@@ -24,6 +24,7 @@ import yaml
 
 from framework.arguments import TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
+from framework.run_identity import RUN_ID_KEY
 
 DEFAULT_SECTIONS: Dict[str, Type] = {"trainer": TrainerArguments, "checkpointer": DefaultCheckpointerArguments}
 SHORTCUTS = {"backend": "trainer.backend"}
@@ -74,11 +75,14 @@ class RunConfig:
             result["checkpointer"] = _plain(dataclasses.asdict(trainer.checkpointer_args))
         return result
 
-    def save(self, path: str) -> None:
-        """Write the resolved configuration as YAML (loadable with ``--config``)."""
+    def save(self, path: str, run_id: Optional[str] = None) -> None:
+        """Write the resolved configuration as YAML (loadable with ``--config``), with the
+        run's id first (``run_id``, which ``--config`` ignores: see framework/run_identity.py)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        data: Dict[str, Any] = {} if run_id is None else {RUN_ID_KEY: run_id}
+        data.update(self.to_dict())
         with open(path, "w") as handle:
-            yaml.safe_dump(self.to_dict(), handle, sort_keys=False)
+            yaml.safe_dump(data, handle, sort_keys=False)
 
 
 def resolved_config(args: TrainerArguments) -> RunConfig:
@@ -226,6 +230,8 @@ def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
     flat = {}
     for key, value in data.items():
         key = str(key)
+        if key == RUN_ID_KEY:
+            continue  # the id of the run that saved this config.yaml: not a setting
         if key in SHORTCUTS:
             flat[SHORTCUTS[key]] = value
         elif value is None:

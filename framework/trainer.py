@@ -32,6 +32,8 @@ from framework.prediction import Predictor
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.rng import seed_everything
 from framework.run_directory import claim_run_directory
+from framework.run_identity import StartingIdentity
+from framework.run_lock import RunLock, claim_run_lock
 from framework.run_start import log_run_start
 from framework.sample_randomness import LoaderSeeding
 from framework.schedule_errors import explain_exhausted_schedule
@@ -135,6 +137,9 @@ class Trainer(TrainerCheckpoints):
         self._kept_outputs: List[Tuple[Any, ...]] = []
         self._pending_rng = PendingRng()
         self._restored = False
+        self._run_lock: Optional[RunLock] = None  # held by rank zero while train() runs
+        self.run_id: Optional[str] = None
+        """This run's id (in config.yaml and every checkpoint), known once training has set up."""
         self._closure_optimizers = False
         self._time_is_up = False  # agreed by every rank, like _preempted
         self._preempted = False
@@ -217,6 +222,9 @@ class Trainer(TrainerCheckpoints):
             raise
         finally:
             self._close_writers()
+            if self._run_lock is not None:
+                self._run_lock.release()
+                self._run_lock = None
         return self.history
 
     def _train_epoch(self) -> None:
@@ -630,6 +638,8 @@ class Trainer(TrainerCheckpoints):
         self._loader_seeding = LoaderSeeding(self._train_loader, self.args.seed)
 
     def _setup_training(self) -> None:
+        if not self.args.fast_dev_run:  # first: a second live run on this output_dir stops here
+            self._run_lock = claim_run_lock(self.args.output_dir, self.backend)
         self._create_train_loader()
         if self._wrapped is None:
             self._wrapped = self.backend.wrap_module(self._runner)
@@ -669,10 +679,11 @@ class Trainer(TrainerCheckpoints):
                 self._loader_seeding.warn_about_worker_randomness(self._loader_position.resumable_mid_epoch)
             if not self.args.fast_dev_run:  # before anything is written: never overwrite another run's files
                 claim_run_directory(self.args.output_dir, self.checkpointer, self.backend)
-            self._restore_checkpoint()
+            self._identity = StartingIdentity.read(self.args.output_dir, self.backend)
+            self._restore_checkpoint()  # sets run_id: the resumed run's, or a new one
         self._start_writers()
         if self.is_main_process and not self.args.fast_dev_run:
-            resolved_config(self.args).save(os.path.join(self.args.output_dir, "config.yaml"))
+            resolved_config(self.args).save(os.path.join(self.args.output_dir, "config.yaml"), run_id=self.run_id)
         self._start_time = time.monotonic()
         self._compile_started = time.perf_counter() if self.args.compile else None
         self.module.train()

@@ -17,7 +17,9 @@ from framework.loader_position import LoaderPosition
 from framework.loss_tracker import LossTracker
 from framework.metrics import MetricCollector, MetricHistory
 from framework.module import ModuleInterface
+from framework.optimizer_changes import OPTIMIZER_TYPES_KEY, ConfiguredHyperparameters, check_optimizer_classes, optimizer_types
 from framework.rng import capture_rng_state
+from framework.run_identity import RUN_ID_KEY, StartingIdentity
 from framework.training_state import PendingRng, TrainingProgress
 
 logger = logging.getLogger("framework")
@@ -48,6 +50,8 @@ class TrainerCheckpoints:
     _metrics: MetricCollector
     _pending_rng: PendingRng
     _loader_position: Optional[LoaderPosition]
+    run_id: Optional[str]
+    _identity: StartingIdentity
 
     @property
     def device(self) -> torch.device:
@@ -137,14 +141,17 @@ class TrainerCheckpoints:
                 f"the ranks loaded different checkpoints (global step per rank: {steps}); every rank must "
                 f"see the same checkpoint directory: use a shared filesystem or URL for save_dir/load_dir"
             )
+        path = getattr(self.checkpointer, "loaded_from", None)
+        saved_run_id = None if checkpoint is None else checkpoint.trainer_state.get(RUN_ID_KEY)
+        self.run_id = self._identity.after_load(saved_run_id, self.checkpointer.resumed_automatically(), path)
         if checkpoint is None:
             return
-        path = getattr(self.checkpointer, "loaded_from", None)
         with checks.naming_missing_keys(path, "module state"):
             self.module.update_state(checkpoint.module_state)
         if self.checkpointer.restores_model_only():  # reset_optimizers_schedulers: weights only
             return
         checks.check_optimizer_state_compatible(checkpoint.trainer_state, self.optimizers, self.schedulers, path)
+        check_optimizer_classes(checkpoint.trainer_state, self.optimizers, path)
         with checks.naming_missing_keys(path, "trainer state"):
             self.backend.update_state(checkpoint.backend_state)
             self.update_state(checkpoint.trainer_state)
@@ -160,10 +167,12 @@ class TrainerCheckpoints:
             "loader": None if self._loader_position is None else self._loader_position.state_dict(),
         }
         return {
+            RUN_ID_KEY: self.run_id,
             **self.progress.state_dict(self.backend.world_size, self.train_step_batch_size),
             "should_stop": self.should_stop,
             "ranks": self.backend.all_gather_object(rank_local),
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+            OPTIMIZER_TYPES_KEY: optimizer_types(self.optimizers),
             "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
             "callbacks": [{"type": type(callback).__name__, "state": callback.get_state()} for callback in self.callbacks],
             "checkpointer": self.checkpointer.get_state(),
@@ -190,10 +199,12 @@ class TrainerCheckpoints:
             self._loader_position.load_state_dict(mine.get("loader"))
         self._pending_rng.set(mine["rng"])  # restored around the train loader's iterator (see _start_epoch)
         self.should_stop = bool(state["should_stop"])
+        configured = ConfiguredHyperparameters(self.optimizers)
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
+        configured.restore(self.optimizers)  # a changed hyperparameter: warned, the configured value used
         saved_callbacks = list(state["callbacks"])
         for callback in self.callbacks:  # matched by class name, in order
             match = next((entry for entry in saved_callbacks if entry["type"] == type(callback).__name__), None)

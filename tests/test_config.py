@@ -229,7 +229,7 @@ def test_saved_config_loads_back_to_the_same_sections(tmp_path):
         {"model": ModelArguments}, argv=["--trainer.epochs=3", "--checkpointer.keep_last_n=2", "--model.layers=[7]"]
     )
     path = str(tmp_path / "out" / "config.yaml")
-    config.save(path)
+    config.save(path, run_id="0123abcd" * 4)  # the run's id: saved, ignored by --config
     again = parse_config({"model": ModelArguments}, argv=["--config", path])
     assert again.to_dict() == config.to_dict()
     assert (again.trainer, again.checkpointer, again.model) == (config.trainer, config.checkpointer, config.model)
@@ -252,6 +252,7 @@ def test_the_trainer_writes_the_resolved_config_with_user_sections(tmp_path):
     assert resolved_config(config.trainer) is config
     Trainer(ToyModule(val_loaders=0), config.trainer).train()
     saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert len(saved.pop("run_id")) == 32  # the run's id first (framework/run_identity.py)
     assert saved == config.to_dict() and saved["model"]["width"] == 5 and saved["trainer"]["output_dir"] == str(out)
 
     # Arguments built in code: the trainer and checkpointer sections.
@@ -259,7 +260,8 @@ def test_the_trainer_writes_the_resolved_config_with_user_sections(tmp_path):
     args.checkpointer_args.period, args.checkpointer_args.save_at_end = 0, False
     Trainer(ToyModule(val_loaders=0), args).train()
     saved = yaml.safe_load((tmp_path / "code" / "config.yaml").read_text())
-    assert list(saved) == ["trainer", "checkpointer"] and saved["trainer"]["seed"] == 3 and saved["checkpointer"]["period"] == 0
+    assert list(saved) == ["run_id", "trainer", "checkpointer"] and saved["trainer"]["seed"] == 3
+    assert saved["checkpointer"]["period"] == 0 and saved.pop("run_id")
     assert RunConfig({"trainer": args, "checkpointer": args.checkpointer_args}).to_dict() == saved
 
     # fast_dev_run writes nothing.

@@ -82,6 +82,12 @@ class AbstractCheckpointer(abc.ABC):
         (fresh optimizers, schedulers and counters: fine-tuning from another run)."""
         return False
 
+    def resumed_automatically(self) -> bool:
+        """True when the checkpoint :meth:`load` returned was found by ``resume="auto"`` in this
+        run's own save location (it must then be this run's: see framework/run_identity.py);
+        False when the user named it (``load_dir``/``load_filename``)."""
+        return False
+
     def describe(self) -> Optional[str]:
         """One line on when checkpoints are written, where, and how many are kept (logged when
         training starts), or None to log nothing."""

@@ -480,6 +480,10 @@ class DefaultCheckpointer(AbstractCheckpointer):
     def describe(self) -> Optional[str]:
         return describe_checkpointing(self.args, self.save_dir)
 
+    def resumed_automatically(self) -> bool:
+        """True when ``resume="auto"`` found the loaded checkpoint in ``save_dir`` (checked first)."""
+        return self.args.resume == "auto" and self.resumed_own_run
+
     def restores_model_only(self) -> bool:
         """True with ``reset_optimizers_schedulers``, unless :meth:`load` resumed this run's own checkpoint."""
         return self.args.reset_optimizers_schedulers and not self.resumed_own_run

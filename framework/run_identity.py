@@ -1,0 +1,126 @@
+"""Run identity: every run has an id, kept in ``config.yaml`` and in every checkpoint.
+
+A fresh run draws a new id; a run that resumes keeps the id of the run it continues. The id
+answers "whose checkpoint is this?": ``resume="auto"`` only continues from checkpoints of
+the run that lives in ``output_dir`` (its ``config.yaml`` names it), so a checkpoint copied
+in from another run, or a ``save_dir`` mixed up with another run's, is refused by name
+(:class:`ForeignCheckpoint`). A checkpoint the user names (``load_dir``/``load_filename``,
+fine-tuning) may come from any run: that is logged. Checkpoints written before run ids
+existed carry none and load as before. torchrun restarts of one job share the
+``config.yaml`` and so the id: they resume their own files.
+"""
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Tuple
+
+import yaml
+
+if TYPE_CHECKING:  # pragma: no cover
+    from backends import TrainerBackend
+
+logger = logging.getLogger("framework")
+
+RUN_ID_KEY = "run_id"
+"""The key of the run id in ``config.yaml`` (top level) and in the trainer's checkpoint state."""
+
+
+class ForeignCheckpoint(ValueError):
+    """``resume="auto"`` found a checkpoint of another run; the message names both runs and the ways on.
+
+    Example:
+        >>> raise ForeignCheckpoint("checkpoint runs/a/checkpoint-000000005.pt belongs to run 1f2e..., ...")
+        Traceback (most recent call last):
+        ...
+        framework.run_identity.ForeignCheckpoint: checkpoint runs/a/checkpoint-000000005.pt belongs to run 1f2e..., ...
+    """
+
+
+def new_run_id() -> str:
+    """A new run id: 32 hex digits (``uuid4``).
+
+    Example:
+        >>> len(new_run_id())
+        32
+    """
+    return uuid.uuid4().hex
+
+
+def recorded_run_id(output_dir: str) -> Optional[str]:
+    """The run id in ``<output_dir>/config.yaml``, or None (no file, no id, not readable).
+
+    Example:
+        >>> import tempfile
+        >>> recorded_run_id(tempfile.mkdtemp()) is None
+        True
+    """
+    path = os.path.join(output_dir, "config.yaml")
+    try:
+        with open(path) as handle:
+            data = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError):
+        return None
+    value = data.get(RUN_ID_KEY) if isinstance(data, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+@dataclass
+class StartingIdentity:
+    """What a run knows of its id before it loads a checkpoint.
+
+    Attributes:
+        recorded: the id in ``output_dir``'s ``config.yaml`` (the run living there), or None.
+        fresh: a new id, used when the run continues no run.
+
+    Example:
+        >>> StartingIdentity(recorded=None, fresh="ab" * 16).after_load(None, automatic=False, path=None) == "ab" * 16
+        True
+    """
+
+    recorded: Optional[str]
+    fresh: str
+
+    @classmethod
+    def read(cls, output_dir: str, backend: "TrainerBackend") -> "StartingIdentity":
+        """Rank zero reads ``config.yaml`` and draws the fresh id; every rank gets the same (call on every rank)."""
+        found: Optional[Tuple[Optional[str], str]] = None
+        if backend.is_main_process:
+            found = (recorded_run_id(output_dir), new_run_id())
+        if backend.world_size > 1:
+            found = backend.broadcast_object(found)
+        if found is None:
+            raise RuntimeError("rank zero sent no run id")
+        return cls(*found)
+
+    def after_load(self, saved: Optional[str], automatic: bool, path: Optional[str]) -> str:
+        """This run's id once the checkpoint (if any) is chosen.
+
+        Args:
+            saved: the run id in the loaded checkpoint (None: no checkpoint, or one written
+                before run ids existed).
+            automatic: True when ``resume="auto"`` found the checkpoint in this run's own
+                ``save_dir``; False when the user named it (``load_dir``/``load_filename``).
+            path: where the checkpoint was read from, for messages.
+
+        Raises:
+            ForeignCheckpoint: ``automatic`` and the checkpoint belongs to another run than
+                the one ``config.yaml`` names.
+        """
+        own = self.recorded or self.fresh
+        if saved is None:
+            return own
+        if automatic:
+            if self.recorded is not None and saved != self.recorded:
+                raise ForeignCheckpoint(
+                    f"resume='auto' found checkpoint {path}, which belongs to run {saved}, but this output_dir holds "
+                    f"run {self.recorded} (its config.yaml): a file copied in from another run, or save_dir pointing "
+                    "at another run's checkpoints. Move that checkpoint away to continue this run from its own; to "
+                    "start from it on purpose, name it: --checkpointer.load_filename PATH (fine-tuning, with "
+                    "--checkpointer.reset_optimizers_schedulers true for fresh optimizers) in a new output_dir"
+                )
+            return saved
+        if saved != own:
+            logger.info("run %s starts from checkpoint %s of run %s (named by load_dir/load_filename)", own, path, saved)
+        return own

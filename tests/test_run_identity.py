@@ -1,0 +1,103 @@
+"""Run identity (framework/run_identity.py): an id in config.yaml and every checkpoint, checked on resume.
+
+Real trainers write real files; a checkpoint is "copied in" from another run with shutil.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from toy import ToyModule, toy_args
+
+from framework import Trainer
+from framework.checkpoint import DefaultCheckpointerArguments
+from framework.config import parse_config
+from framework.run_identity import ForeignCheckpoint, recorded_run_id
+
+
+def checkpoints(**overrides):
+    return DefaultCheckpointerArguments(**{"period": 1, "resume": "auto", **overrides})
+
+
+def train(directory, epochs, **checkpointer):
+    trainer = Trainer(
+        ToyModule(n_train=64, scheduler="step"), toy_args(directory, checkpoints(**checkpointer), epochs=epochs, log_level="INFO")
+    )
+    trainer.train()
+    return trainer
+
+
+def saved_run_id(path):
+    return torch.load(path, weights_only=True)["trainer"]["run_id"]
+
+
+def newest(directory):
+    folder = os.path.join(directory, "run", "checkpoints")
+    return os.path.join(folder, sorted(os.listdir(folder))[-1])
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """One finished run: 2 epochs with a checkpoint at each end."""
+    directory = tmp_path_factory.mktemp("a")
+    return directory, train(directory, epochs=2)
+
+
+def test_the_run_id_is_in_config_yaml_and_every_checkpoint_and_a_resume_keeps_it(run_a, tmp_path):
+    directory, trainer = run_a
+    assert len(trainer.run_id) == 32
+    assert recorded_run_id(os.path.join(directory, "run")) == trainer.run_id
+    folder = os.path.join(directory, "run", "checkpoints")
+    assert {saved_run_id(os.path.join(folder, name)) for name in os.listdir(folder)} == {trainer.run_id}
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(directory, resumed_dir)
+    resumed = train(resumed_dir, epochs=3)  # resume="auto": the same command with one more epoch
+    assert resumed.run_id == trainer.run_id
+    assert saved_run_id(newest(resumed_dir)) == trainer.run_id
+    assert recorded_run_id(os.path.join(resumed_dir, "run")) == trainer.run_id
+    # the saved config.yaml still loads as a config: its run_id is no setting
+    config = parse_config(argv=["--config", os.path.join(resumed_dir, "run", "config.yaml")])
+    assert config.trainer.epochs == 3
+
+
+def test_a_checkpoint_copied_in_from_another_run_is_refused_naming_both_runs(run_a, tmp_path, framework_log):
+    directory, run = run_a
+    other = train(tmp_path / "b", epochs=1)
+    assert other.run_id != run.run_id
+    copied = os.path.join(tmp_path, "b", "run", "checkpoints", "checkpoint-000000099.pt")
+    shutil.copy(newest(directory), copied)  # the newest file now: resume="auto" would take it
+    before = sorted(os.listdir(os.path.dirname(copied)))
+    with pytest.raises(ForeignCheckpoint) as refused:
+        train(tmp_path / "b", epochs=3)
+    message = str(refused.value)
+    assert run.run_id in message and other.run_id in message and copied in message
+    assert "load_filename" in message and "Move that checkpoint away" in message
+    assert sorted(os.listdir(os.path.dirname(copied))) == before  # nothing renamed, nothing written
+    assert recorded_run_id(os.path.join(tmp_path, "b", "run")) == other.run_id
+
+    # named explicitly (fine-tuning from it): accepted in a new output_dir, with a new id, and logged
+    framework_log.clear()
+    tuned = train(tmp_path / "c", epochs=3, resume=None, load_filename=copied)
+    assert tuned.run_id not in (run.run_id, other.run_id)
+    assert tuned.global_steps_finished > run.global_steps_finished
+    assert any(f"starts from checkpoint {copied} of run {run.run_id}" in line for line in framework_log)
+
+
+def test_checkpoints_written_before_run_ids_existed_resume_without_error(run_a, tmp_path):
+    directory, run = run_a
+    old_dir = tmp_path / "old"
+    shutil.copytree(directory, old_dir)
+    for name in os.listdir(old_dir / "run" / "checkpoints"):
+        path = old_dir / "run" / "checkpoints" / name
+        data = torch.load(path, weights_only=True)
+        del data["trainer"]["run_id"]
+        torch.save(data, path)
+    config = yaml.safe_load((old_dir / "run" / "config.yaml").read_text())
+    del config["run_id"]
+    (old_dir / "run" / "config.yaml").write_text(yaml.safe_dump(config))
+    resumed = train(old_dir, epochs=3)
+    assert resumed.global_steps_finished == run.global_steps_finished * 3 // 2
+    assert saved_run_id(newest(old_dir)) == resumed.run_id != run.run_id

@@ -1,0 +1,112 @@
+"""The run lock (framework/run_lock.py): one live run per output directory.
+
+Real processes hold real lock files; a dead holder is a real process that has exited.
+The 2-rank refusal (every rank exits) is tested under torchrun in test_launcher_watch.py.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from toy import ToyModule, toy_args
+
+from framework import Trainer
+from framework.checkpoint import DefaultCheckpointerArguments
+from framework.run_lock import LOCK_NAME, STALE_AFTER_SECONDS, RunLocked
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "resume_script.py")
+
+
+def start_script(out, *arguments):
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])
+    )
+    command = [sys.executable, SCRIPT, str(out), "--backend", "sp", *arguments]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait_for(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_live_runs_directory_is_refused_naming_the_holder(tmp_path):
+    out = tmp_path / "run"
+    first = start_script(out, "--epochs", "100", "--step-sleep", "0.05")
+    try:
+        wait_for(lambda: (out / LOCK_NAME).exists() and (out / "checkpoints").exists())
+        holder = json.loads((out / LOCK_NAME).read_text())
+        assert (holder["pid"], holder["host"]) == (first.pid, socket.gethostname())
+        with pytest.raises(RunLocked, match=f"pid {first.pid} on host {socket.gethostname()}"):
+            train(tmp_path)  # the same directory, resume="auto": a double submit
+        assert first.poll() is None  # the first run trains on
+        first.send_signal(signal.SIGTERM)  # a preempted run gives its lock back too
+        output, _ = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 75, output[-3000:]
+    assert not (out / LOCK_NAME).exists()
+
+
+def dead_pid():
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def write_lock(directory, pid, host, age):
+    directory.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    (directory / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host, "started": now - age, "heartbeat": now - age}))
+
+
+def train(tmp_path, module=None):
+    checkpoints = DefaultCheckpointerArguments(period=1, resume="auto")
+    trainer = Trainer(module or ToyModule(n_train=64, scheduler=None), toy_args(tmp_path, checkpoints))
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "host, pid, age",
+    [("this host", "dead", 0.0), ("node-elsewhere", 1, STALE_AFTER_SECONDS + 5)],
+    ids=["dead-pid-on-this-host", "old-heartbeat-from-another-host"],
+)
+def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, framework_log, host, pid, age):
+    host = socket.gethostname() if host == "this host" else host
+    pid = dead_pid() if pid == "dead" else pid
+    write_lock(tmp_path / "run", pid, host, age)
+    trainer = train(tmp_path)
+    assert trainer.global_steps_finished == 2
+    assert any("taking over the run lock" in line and f"pid {pid} on host {host}" in line for line in framework_log)
+    assert not (tmp_path / "run" / LOCK_NAME).exists()  # released at the end
+
+
+def test_a_fresh_lock_of_another_host_is_refused_and_left_alone(tmp_path):
+    write_lock(tmp_path / "run", 4242, "node-elsewhere", age=1.0)
+    before = (tmp_path / "run" / LOCK_NAME).read_text()
+    with pytest.raises(RunLocked, match="pid 4242 on host node-elsewhere"):
+        train(tmp_path)
+    assert (tmp_path / "run" / LOCK_NAME).read_text() == before
+    assert os.listdir(tmp_path / "run") == [LOCK_NAME]  # refused before anything was written
+
+
+class Failing(ToyModule):
+    def train_step(self, global_step, batch, device):
+        raise ZeroDivisionError("a bug in train_step")
+
+
+def test_the_lock_is_released_when_training_raises(tmp_path):
+    with pytest.raises(ZeroDivisionError):
+        train(tmp_path, Failing(n_train=64, scheduler=None))
+    assert not (tmp_path / "run" / LOCK_NAME).exists()

@@ -1,9 +1,11 @@
 """TrainerArguments: every knob of a training run, checked when it is built."""
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
+from framework.loggers.base import Logger
+from framework.loggers.registry import check_logger_choices
 from framework.preemption import parse_signals
 from framework.typed_fields import check_field_types
 
@@ -93,8 +95,11 @@ class TrainerArguments:
     """Level of the framework's log messages on rank zero."""
     output_dir: str = "outputs"
     """Where metrics.csv, config.yaml and (by default) checkpoints go."""
+    loggers: List[Union[str, Logger]] = field(default_factory=lambda: ["csv"])
+    """Where metrics go on rank zero: names (``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or one from the
+    ``framework.loggers`` entry points) or Logger instances; CLI ``--trainer.loggers '[csv,mlflow]'``."""
     tensorboard: bool = False
-    """Also write metrics as TensorBoard events to ``<output_dir>/tensorboard`` (extra ``[tensorboard]``)."""
+    """Also write TensorBoard events to ``<output_dir>/tensorboard`` (the same as adding ``"tensorboard"`` to loggers)."""
     preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"
     """Signals that stop training at the next step boundary with a checkpoint (exit code 75); "" catches none."""
     stop_on_nonfinite_loss: bool = True
@@ -107,6 +112,7 @@ class TrainerArguments:
         if isinstance(self.checkpointer_args, dict):
             self.checkpointer_args = DefaultCheckpointerArguments(**self.checkpointer_args)
         check_field_types(self, "TrainerArguments")  # types first: the range checks below compare numbers
+        check_logger_choices(self.loggers)
         _require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")
         _require(self.min_epochs >= 0, "min_epochs", self.min_epochs, "an integer >= 0")
         _require(self.train_batch_size >= 1, "train_batch_size", self.train_batch_size, "an integer >= 1")

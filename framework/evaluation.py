@@ -32,7 +32,7 @@ class Evaluator:
         backend: the trainer's backend.
         hooks: the trainer's hook dispatcher.
         args: the run's arguments (batch size, batch limits, seed).
-        record: called with each loader's metrics (history, writers, ``on_log_metrics``).
+        record: called with each loader's metrics (history, loggers, ``on_log_metrics``).
 
     Example:
         evaluator = Evaluator(module, runner, backend, hooks, args, record=print)

@@ -23,6 +23,7 @@ from framework.evaluation_weights import best_checkpoint_url, load_evaluation_we
 from framework.hooks import HookDispatcher
 from framework.loader_plan import RecordingSampler, warn_if_loader_ignores_plan
 from framework.loader_position import LoaderPosition
+from framework.loggers import LoggerSet, RunInfo, build_loggers, run_status
 from framework.logging_setup import configure_logging
 from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
@@ -43,7 +44,6 @@ from framework.step_outputs import as_outputs, concatenate_outputs
 from framework.tbptt import split_along_time
 from framework.trainer_checkpoints import TrainerCheckpoints
 from framework.training_state import PendingRng, TrainingProgress, accumulation_cycles
-from framework.writers import CSVWriter, MetricWriter, TensorBoardWriter
 
 logger = logging.getLogger("framework")
 
@@ -108,6 +108,7 @@ class Trainer(TrainerCheckpoints):
                 args.train_batch_size, self.backend.world_size, args.gpu_batch_size_limit
             )
             self.automatic_optimization = _check_optimization_mode(module, args, self.gradient_accumulation)
+            self.loggers = LoggerSet(build_loggers(args), active=self.backend.is_main_process and not args.fast_dev_run)
         except Exception:
             self.backend.teardown()
             raise
@@ -117,7 +118,6 @@ class Trainer(TrainerCheckpoints):
         self.callbacks: List[Callback] = with_default_callbacks(callbacks, args)  # + ModelSummary, ProgressBar
         self.hooks = HookDispatcher(module, self.callbacks)
         self.history = MetricHistory()
-        self.writers: List[MetricWriter] = []
         self.progress = TrainingProgress()
         self.losses = LossTracker(self.device)
         self.should_stop = False
@@ -216,12 +216,13 @@ class Trainer(TrainerCheckpoints):
                 self.checkpointer.wait()
         except BaseException as error:
             self.close()
+            self.loggers.finish(run_status(error))  # after the checkpoint is written
             explanation = None if isinstance(error, TrainingPreempted) else self.backend.strategy.explain_failure(error)
             if explanation is not None:
                 raise RuntimeError(explanation) from error
             raise
         finally:
-            self._close_writers()
+            self.loggers.finish()
             if self._run_lock is not None:
                 self._run_lock.release()
                 self._run_lock = None
@@ -541,12 +542,12 @@ class Trainer(TrainerCheckpoints):
     def _standalone_evaluation(self, stage: Stage, checkpoint: Optional[str] = None) -> Dict[str, float]:
         load_evaluation_weights(self, checkpoint, "validate" if stage is Stage.VAL else "test")
         self._prepare_callbacks()
-        self._start_writers()
+        self._start_loggers()
         try:  # no scheduler steps, no progress counters: this is not training
             batch_size = self.args.val_batch_size or self.train_step_batch_size
             return self.evaluator.run(stage, self.global_steps_finished, batch_size)
         finally:
-            self._close_writers()
+            self.loggers.finish()
 
     def _evaluate(self, stage: Stage, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
         batch_size = self.args.val_batch_size or self.train_step_batch_size
@@ -585,7 +586,7 @@ class Trainer(TrainerCheckpoints):
         return reduce_metrics(collected, self.backend.all_reduce, self.device, gather)
 
     def log_metrics(self, metrics: Dict[str, float]) -> None:
-        """Record host-side values now (history, writers on rank zero, ``on_log_metrics`` hooks).
+        """Record host-side values now (history, loggers on rank zero, ``on_log_metrics`` hooks).
 
         For callbacks (``LearningRateMonitor``, ``Timer``); call it on every rank with the
         same names. Not from ``on_log_metrics`` itself, which it calls.
@@ -598,24 +599,13 @@ class Trainer(TrainerCheckpoints):
         records = [
             self.history.add(name, value, self.global_steps_finished, self.epochs_finished) for name, value in metrics.items()
         ]
-        if self.is_main_process:
-            for writer in self.writers:
-                writer.write(records)
+        self.loggers.log(records)  # rank zero
         self.hooks.call("on_log_metrics", self.global_steps_finished, dict(metrics))
 
-    def _close_writers(self) -> None:
-        for writer in self.writers:
-            writer.close()
-        self.writers = []  # a later validate()/test() starts them again from the history
-
-    def _start_writers(self) -> None:
-        if self.writers or not self.is_main_process or self.args.fast_dev_run:
-            return
-        self.writers.append(CSVWriter(os.path.join(self.args.output_dir, "metrics.csv")))
-        if self.args.tensorboard:
-            self.writers.append(TensorBoardWriter(os.path.join(self.args.output_dir, "tensorboard")))
-        for writer in self.writers:
-            writer.start(self.history.records)
+    def _start_loggers(self) -> None:
+        """Start the loggers (rank zero) with the history so far; a later validate()/test() starts them again."""
+        args = self.args
+        self.loggers.start(lambda: RunInfo(args.output_dir, resolved_config(args).to_dict(), list(self.history.records)))
 
     # -- setup ----------------------------------------------------------------------------
     def _create_train_loader(self) -> None:
@@ -681,7 +671,7 @@ class Trainer(TrainerCheckpoints):
                 claim_run_directory(self.args.output_dir, self.checkpointer, self.backend)
             self._identity = StartingIdentity.read(self.args.output_dir, self.backend)
             self._restore_checkpoint()  # sets run_id: the resumed run's, or a new one
-        self._start_writers()
+        self._start_loggers()
         if self.is_main_process and not self.args.fast_dev_run:
             resolved_config(self.args).save(os.path.join(self.args.output_dir, "config.yaml"), run_id=self.run_id)
         self._start_time = time.monotonic()

@@ -14,6 +14,7 @@ from framework.arguments import TrainerArguments
 from framework.callbacks.base import Callback
 from framework.checkpoint import AbstractCheckpointer, Checkpoint
 from framework.loader_position import LoaderPosition
+from framework.loggers import LoggerSet
 from framework.loss_tracker import LossTracker
 from framework.metrics import MetricCollector, MetricHistory
 from framework.module import ModuleInterface
@@ -40,6 +41,7 @@ class TrainerCheckpoints:
     checkpointer: AbstractCheckpointer
     callbacks: List[Callback]
     history: MetricHistory
+    loggers: LoggerSet
     progress: TrainingProgress
     losses: LossTracker
     optimizers: List[torch.optim.Optimizer]
@@ -177,6 +179,7 @@ class TrainerCheckpoints:
             "callbacks": [{"type": type(callback).__name__, "state": callback.get_state()} for callback in self.callbacks],
             "checkpointer": self.checkpointer.get_state(),
             "history": self.history.state_dict(),
+            "loggers": self.loggers.state_dict(),  # e.g. a tracker's run id, so a resumed run logs into it
         }
 
     def update_state(self, state: Dict[str, Any]) -> None:
@@ -213,3 +216,4 @@ class TrainerCheckpoints:
                 callback.update_state(match["state"])
         self.checkpointer.update_state(state.get("checkpointer", {}))
         self.history.load_state_dict(state["history"])
+        self.loggers.load_state_dict(state.get("loggers", {}))

@@ -59,6 +59,7 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--send-signal", action="append", default=[], help="mb:E:I=SIGNAME, optionally @rank")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every train_step")
     parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--loggers", default="csv", help="TrainerArguments.loggers, comma-separated")
     return parser.parse_args(argv)
 
 
@@ -203,6 +204,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         output_dir=options.out,
         seed=7,
         max_steps=options.max_steps,
+        loggers=options.loggers.split(","),
         checkpointer_args=checkpointer_args,
     )
     module = LoggingToy(n_train=options.n_train, n_val=32, dropout=0.2, lr=0.1)

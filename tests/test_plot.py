@@ -8,8 +8,8 @@ import matplotlib.image
 import numpy as np
 import pytest
 
+from framework.loggers import CSVLogger, RunInfo
 from framework.plot import main, panel_of, plot_metrics, read_metrics
-from framework.writers import CSVWriter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,9 +26,9 @@ def write_run(directory) -> str:
         for loader, offset in (("a", 0.05), ("b", 0.1)):
             records.append({"epoch": epoch, "step": end, "name": f"val_loss/{loader}", "value": 2.5 / end + offset})
         records.append({"epoch": epoch, "step": end, "name": "val_accuracy", "value": 0.5 + 0.1 * epoch})
-    writer = CSVWriter(os.path.join(directory, "metrics.csv"))
-    writer.start(records)
-    writer.close()
+    csv_logger = CSVLogger(os.path.join(directory, "metrics.csv"))
+    csv_logger.start(RunInfo(directory, records=records))
+    csv_logger.finish("FINISHED")
     return os.path.join(directory, "metrics.csv")
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from toy import ToyModule, flat_parameters  # noqa: E402
 
 from framework import Trainer, TrainerArguments  # noqa: E402
-from framework.callbacks import Callback  # noqa: E402
+from framework.callbacks import EMA, SWA, Callback, WeightAveraging  # noqa: E402
 from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments  # noqa: E402
 
 
@@ -60,6 +60,8 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep in every train_step")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--loggers", default="csv", help="TrainerArguments.loggers, comma-separated")
+    parser.add_argument("--ema", type=float, default=None, help="an EMA callback with this decay")
+    parser.add_argument("--swa-start", type=int, default=None, help="an SWA callback from this epoch")
     return parser.parse_args(argv)
 
 
@@ -213,14 +215,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     specs = specs_for_rank(options.kill, rank, options.kill_rank)
     checkpointer = CrashingCheckpointer(checkpointer_args, out=options.out, specs=specs)
     killer = Killer(options.out, specs, specs_for_rank(options.send_signal, rank, options.kill_rank))
-    trainer = Trainer(module, args, checkpointer=checkpointer, callbacks=[killer])
+    averaging: List[WeightAveraging] = [EMA(decay=options.ema)] if options.ema is not None else []
+    averaging += (
+        [SWA(swa_lrs=0.02, swa_epoch_start=options.swa_start, annealing_epochs=1)] if options.swa_start is not None else []
+    )
+    trainer = Trainer(module, args, checkpointer=checkpointer, callbacks=[killer, *averaging])
     try:
         history = trainer.train()
     finally:
         trainer.close()
+    averages = {type(c).__name__: torch.cat([t.flatten() for t in c.averaged_state_dict().values()]) for c in averaging}
     if trainer.is_main_process:
         torch.save(
-            {"params": flat_parameters(module), "history": history.records, "step": trainer.global_steps_finished},
+            {"params": flat_parameters(module), "history": history.records, "step": trainer.global_steps_finished, **averages},
             os.path.join(options.out, "result.pt"),
         )
         print(f"FINISHED at step {trainer.global_steps_finished}", flush=True)

@@ -7,13 +7,18 @@ Example:
 
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.early_stopping import EarlyStopping
+from framework.callbacks.ema import EMA
 from framework.callbacks.lr_monitor import LearningRateMonitor
 from framework.callbacks.model_summary import ModelSummary
 from framework.callbacks.progress import ProgressBar
+from framework.callbacks.swa import SWA
 from framework.callbacks.terminate_on_nan import TerminateOnNaN
 from framework.callbacks.timer import Timer
+from framework.callbacks.weight_averaging import WeightAveraging
 
 __all__ = [
+    "EMA",
+    "SWA",
     "Callback",
     "EarlyStopping",
     "LearningRateMonitor",
@@ -22,4 +27,5 @@ __all__ = [
     "StopTraining",
     "TerminateOnNaN",
     "Timer",
+    "WeightAveraging",
 ]

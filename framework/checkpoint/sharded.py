@@ -50,7 +50,7 @@ def sharded_checkpoint_name(global_step: int) -> str:
 
 
 def split_sharded(data: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """``(tensors, rest)``: the tensors of the module state and of the optimizer states, keyed by
+    """``(tensors, rest)``: the tensors of the module state, the optimizer and the callback states, keyed by
     their path (``"module/model/head.weight"``, ``"trainer/optimizers/0/state/3/exp_avg"``), and
     ``data`` with each of them replaced by a ``{"__sharded__": path}`` marker.
 
@@ -75,6 +75,7 @@ def split_sharded(data: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[s
     rest["module"] = replace(data["module"], "module")
     trainer = dict(data["trainer"])
     trainer["optimizers"] = replace(trainer.get("optimizers", []), "trainer/optimizers")
+    trainer["callbacks"] = replace(trainer.get("callbacks", []), "trainer/callbacks")  # EMA's sharded average
     rest["trainer"] = trainer
     return tensors, rest
 

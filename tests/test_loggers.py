@@ -1,10 +1,12 @@
 """Loggers chosen by name: the registry, a failing logger, and real MLflow and W&B runs read back
 (one tracker run across a SIGTERM preemption, a kill -9 and the resumes; 2-rank DDP)."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -140,3 +142,49 @@ def test_ddp_logs_one_tracker_run_from_rank_zero(tmp_path, tracker_env):
     assert attempt["points"] == csv_points(out) and attempt["exit_code"] == 0
     history = torch.load(out / "result.pt", weights_only=True)["history"]
     assert len(history) == sum(csv_points(out).values())
+
+
+PLUGIN = """
+import json, os
+from framework.loggers import Logger
+
+
+class JsonLinesLogger(Logger):
+    name = "jsonl"
+
+    def __init__(self, path):
+        self.path = path
+
+    def log_metrics(self, records):
+        with open(self.path, "a") as handle:
+            handle.writelines(json.dumps(record) + "\\n" for record in records)
+
+
+def build(args):
+    return JsonLinesLogger(os.path.join(args.output_dir, "metrics.jsonl"))
+"""
+
+FRESH_PROCESS = """
+import sys
+sys.path.insert(0, {tests!r})
+from toy import ToyModule, toy_args
+from framework import Trainer
+Trainer(ToyModule(n_train=64), toy_args({out!r}, loggers=["csv", "jsonl"], log_every_n_steps=1)).train()
+"""
+
+
+@pytest.mark.slow
+def test_entry_point_logger_is_chosen_by_name_in_a_fresh_process(tmp_path):
+    (tmp_path / "my_logger_plugin.py").write_text(PLUGIN)
+    dist_info = tmp_path / "my_logger_plugin-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-logger-plugin\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[framework.loggers]\njsonl = my_logger_plugin:build\n")
+    root = os.path.dirname(HERE)
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root]), OMP_NUM_THREADS="1")
+    script = FRESH_PROCESS.format(tests=HERE, out=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "run" / "metrics.jsonl") as handle:
+        logged = Counter((record["name"], record["step"], record["value"]) for record in map(json.loads, handle))
+    assert logged == csv_points(str(tmp_path / "run")) and logged

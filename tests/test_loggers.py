@@ -81,7 +81,7 @@ def test_registered_and_instance_loggers_receive_metrics_and_a_failing_one_never
 
 def run_script(out, env, *arguments, expect):
     command = [sys.executable, SCRIPT, str(out), "--loggers", "csv,mlflow,wandb", *arguments]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    process = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
     assert process.returncode == expect, f"{process.returncode}:\n{process.stdout[-3000:]}\n{process.stderr[-5000:]}"
     return process
 
@@ -111,6 +111,7 @@ def test_one_tracker_run_across_preemption_kill_and_resume(tmp_path, tracker_env
     run_script(out, tracker_env, *kills, expect=0)
 
     (run,) = mlflow_runs(uri)  # the same MLflow run all along
+    assert os.path.isdir(tmp_path / "mlruns")  # MLflow's default artifact root, relative to the working directory
     assert run.info.run_id == preempted.info.run_id and run.info.status == "FINISHED"
     expected = csv_points(out)
     assert any(step == 25 for _, step, _ in expected)
@@ -133,7 +134,7 @@ def test_ddp_logs_one_tracker_run_from_rank_zero(tmp_path, tracker_env):
     out, uri = tmp_path / "run", tracker_env["MLFLOW_TRACKING_URI"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", SCRIPT, str(out)]
     arguments = ["--backend", "ddp", "--epochs", "2", "--loggers", "csv,mlflow,wandb"]
-    process = subprocess.run(command + arguments, capture_output=True, text=True, timeout=300, env=tracker_env)
+    process = subprocess.run(command + arguments, capture_output=True, text=True, timeout=300, env=tracker_env, cwd=tmp_path)
     assert process.returncode == 0, f"{process.stdout[-3000:]}\n{process.stderr[-5000:]}"
     (run,) = mlflow_runs(uri)
     assert run.info.status == "FINISHED"

@@ -79,6 +79,18 @@ def test_registered_and_instance_loggers_receive_metrics_and_a_failing_one_never
     assert f"checkpoint-{trainer.global_steps_finished:09d}.pt" in os.listdir(tmp_path / "checkpoints")
 
 
+def test_an_unreachable_mlflow_server_is_named_once_and_training_completes(tmp_path, monkeypatch, framework_log):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a tracking server that is down
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    checkpoints = DefaultCheckpointerArguments(save_dir=str(tmp_path / "checkpoints"))
+    trainer = Trainer(ToyModule(n_train=64), toy_args(tmp_path, loggers=["csv", "mlflow"], checkpointer_args=checkpoints))
+    history = trainer.train()
+    failures = [message for message in framework_log if "logger 'mlflow' failed" in message]
+    assert len(failures) == 1, framework_log
+    assert sum(csv_points(str(tmp_path / "run")).values()) == len(history.records) > 0
+    assert f"checkpoint-{trainer.global_steps_finished:09d}.pt" in os.listdir(tmp_path / "checkpoints")
+
+
 def run_script(out, env, *arguments, expect):
     command = [sys.executable, SCRIPT, str(out), "--loggers", "csv,mlflow,wandb", *arguments]
     process = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)

@@ -5,13 +5,13 @@ import logging
 import math
 import os
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader
 
 from backends import TrainerBackend, build_backend, map_tensors
-from framework import checks
+from framework import checks, export
 from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
@@ -538,6 +538,21 @@ class Trainer(TrainerCheckpoints):
     def best_checkpoint(self) -> Optional[str]:
         """URL of the best checkpoint by ``checkpointer_args.metric``, on every rank (collective under DDP)."""
         return best_checkpoint_url(self.checkpointer, self.backend)
+
+    def export_weights(self, path: str, checkpoint: Optional[str] = None, max_shard_size: Union[int, str, None] = None) -> str:
+        """Write the module's ``state_dict()`` as ``.safetensors`` (sharded above ``max_shard_size``,
+        e.g. ``"5GB"``) or ``.pt`` on rank zero; return where it went. ``checkpoint`` as in
+        :meth:`validate`; under fsdp the shards are gathered. Collective: call on every rank
+        (see ``docs/export.md``)."""
+        return export.export_weights(self, path, checkpoint, max_shard_size)
+
+    def export(
+        self, path: str, example_inputs: Tuple[Any, ...], format: str = "torch.export", checkpoint: Optional[str] = None
+    ) -> str:
+        """Export the module's ``forward`` for inference: ``"torch.export"`` (a ``.pt2`` program) or
+        ``"onnx"``, traced with ``example_inputs``, on rank zero; ``checkpoint`` as in :meth:`validate`.
+        Collective: call on every rank (see ``docs/export.md``)."""
+        return export.export_program(self, path, example_inputs, format, checkpoint)
 
     def _standalone_evaluation(self, stage: Stage, checkpoint: Optional[str] = None) -> Dict[str, float]:
         load_evaluation_weights(self, checkpoint, "validate" if stage is Stage.VAL else "test")

@@ -1,10 +1,12 @@
 """Loggers chosen by name: the registry, a failing logger, and real MLflow and W&B runs read back
 (one tracker run across a SIGTERM preemption, a kill -9 and the resumes; 2-rank DDP)."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -77,9 +79,21 @@ def test_registered_and_instance_loggers_receive_metrics_and_a_failing_one_never
     assert f"checkpoint-{trainer.global_steps_finished:09d}.pt" in os.listdir(tmp_path / "checkpoints")
 
 
+def test_an_unreachable_mlflow_server_is_named_once_and_training_completes(tmp_path, monkeypatch, framework_log):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a tracking server that is down
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    checkpoints = DefaultCheckpointerArguments(save_dir=str(tmp_path / "checkpoints"))
+    trainer = Trainer(ToyModule(n_train=64), toy_args(tmp_path, loggers=["csv", "mlflow"], checkpointer_args=checkpoints))
+    history = trainer.train()
+    failures = [message for message in framework_log if "logger 'mlflow' failed" in message]
+    assert len(failures) == 1, framework_log
+    assert sum(csv_points(str(tmp_path / "run")).values()) == len(history.records) > 0
+    assert f"checkpoint-{trainer.global_steps_finished:09d}.pt" in os.listdir(tmp_path / "checkpoints")
+
+
 def run_script(out, env, *arguments, expect):
     command = [sys.executable, SCRIPT, str(out), "--loggers", "csv,mlflow,wandb", *arguments]
-    process = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    process = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=out.parent)
     assert process.returncode == expect, f"{process.returncode}:\n{process.stdout[-3000:]}\n{process.stderr[-5000:]}"
     return process
 
@@ -109,6 +123,7 @@ def test_one_tracker_run_across_preemption_kill_and_resume(tmp_path, tracker_env
     run_script(out, tracker_env, *kills, expect=0)
 
     (run,) = mlflow_runs(uri)  # the same MLflow run all along
+    assert os.path.isdir(tmp_path / "mlruns")  # MLflow's default artifact root, relative to the working directory
     assert run.info.run_id == preempted.info.run_id and run.info.status == "FINISHED"
     expected = csv_points(out)
     assert any(step == 25 for _, step, _ in expected)
@@ -131,7 +146,7 @@ def test_ddp_logs_one_tracker_run_from_rank_zero(tmp_path, tracker_env):
     out, uri = tmp_path / "run", tracker_env["MLFLOW_TRACKING_URI"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", SCRIPT, str(out)]
     arguments = ["--backend", "ddp", "--epochs", "2", "--loggers", "csv,mlflow,wandb"]
-    process = subprocess.run(command + arguments, capture_output=True, text=True, timeout=300, env=tracker_env)
+    process = subprocess.run(command + arguments, capture_output=True, text=True, timeout=300, env=tracker_env, cwd=tmp_path)
     assert process.returncode == 0, f"{process.stdout[-3000:]}\n{process.stderr[-5000:]}"
     (run,) = mlflow_runs(uri)
     assert run.info.status == "FINISHED"
@@ -140,3 +155,49 @@ def test_ddp_logs_one_tracker_run_from_rank_zero(tmp_path, tracker_env):
     assert attempt["points"] == csv_points(out) and attempt["exit_code"] == 0
     history = torch.load(out / "result.pt", weights_only=True)["history"]
     assert len(history) == sum(csv_points(out).values())
+
+
+PLUGIN = """
+import json, os
+from framework.loggers import Logger
+
+
+class JsonLinesLogger(Logger):
+    name = "jsonl"
+
+    def __init__(self, path):
+        self.path = path
+
+    def log_metrics(self, records):
+        with open(self.path, "a") as handle:
+            handle.writelines(json.dumps(record) + "\\n" for record in records)
+
+
+def build(args):
+    return JsonLinesLogger(os.path.join(args.output_dir, "metrics.jsonl"))
+"""
+
+FRESH_PROCESS = """
+import sys
+sys.path.insert(0, {tests!r})
+from toy import ToyModule, toy_args
+from framework import Trainer
+Trainer(ToyModule(n_train=64), toy_args({out!r}, loggers=["csv", "jsonl"], log_every_n_steps=1)).train()
+"""
+
+
+@pytest.mark.slow
+def test_entry_point_logger_is_chosen_by_name_in_a_fresh_process(tmp_path):
+    (tmp_path / "my_logger_plugin.py").write_text(PLUGIN)
+    dist_info = tmp_path / "my_logger_plugin-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-logger-plugin\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text("[framework.loggers]\njsonl = my_logger_plugin:build\n")
+    root = os.path.dirname(HERE)
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root]), OMP_NUM_THREADS="1")
+    script = FRESH_PROCESS.format(tests=HERE, out=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "run" / "metrics.jsonl") as handle:
+        logged = Counter((record["name"], record["step"], record["value"]) for record in map(json.loads, handle))
+    assert logged == csv_points(str(tmp_path / "run")) and logged

@@ -9,6 +9,7 @@ from framework.checkpoint import storage
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.checkpoint import FORMAT_NAME, Checkpoint
 from framework.checkpoint.default import DefaultCheckpointer, checkpoint_name
+from framework.checkpoint.safetensors_io import is_safetensors, load_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ def load_weights(
     the checkpoint's URL.
 
     ``path_or_dir`` is a checkpoint file (``checkpoint-*.pt`` or a ``model-*.pt`` export from
-    ``Trainer.save_model_checkpoint``), or a checkpoint directory (local path or fsspec URL),
+    ``Trainer.save_model_checkpoint``), a ``.safetensors`` file or sharded ``.safetensors.index.json``
+    (``Trainer.export_weights``; a strict ``load_state_dict``), or a checkpoint directory (local path or fsspec URL),
     in which ``step`` picks:
 
     - ``"last"``: the newest checkpoint that reads back (a damaged newer one is skipped, as on resume);
@@ -52,6 +54,11 @@ def load_weights(
         raise ValueError(f"step={step!r} is invalid; allowed: 'last', 'best' or an optimizer step (an integer >= 0)")
     if mode not in ("min", "max"):
         raise ValueError(f"mode={mode!r} is invalid; allowed: 'min', 'max'")
+    if is_safetensors(path_or_dir):  # a .safetensors file or a sharded index: the module's state_dict
+        url, tensors = load_safetensors(path_or_dir)
+        module.load_state_dict(tensors)
+        logger.info("loaded weights from %s", url)
+        return url
     fs, path = storage.resolve(path_or_dir)
     if fs.isfile(path):
         url, state = fs.unstrip_protocol(path), _read_module_state(fs, path, weights_only)

@@ -130,6 +130,13 @@ class ClusterEnvironment:
         """
         return False
 
+    @property
+    def parent_is_launcher(self) -> bool:
+        """True when this process's parent is the launcher supervising it (torchrun's agent):
+        a process whose parent is gone is orphaned, and stops with a checkpoint
+        (``framework/launcher_watch.py``)."""
+        return False
+
     # -- rendezvous --------------------------------------------------------------------
     @property
     def launcher_store(self) -> bool:
@@ -237,6 +244,10 @@ class TorchrunEnvironment(ClusterEnvironment):
     @property
     def restart_count(self) -> int:
         return _int(self.environ, "TORCHELASTIC_RESTART_COUNT", 0)
+
+    @property
+    def parent_is_launcher(self) -> bool:
+        return "TORCHELASTIC_RUN_ID" in self.environ  # a worker of torchrun's agent (not a hand-set RANK)
 
     @property
     def launcher_store(self) -> bool:

@@ -235,6 +235,7 @@ class DDP(Strategy):
         self._owns_process_group = False
         self._preemption_registered = False
         self._preemption_stop_step: Optional[int] = None
+        self._store_lost = False  # the store is unreachable: stops are agreed at log points (all-reduce)
 
     @property
     def distributed(self) -> bool:
@@ -389,22 +390,38 @@ class DDP(Strategy):
         counts itself in; once every rank is counted, each computes the same stop step, one
         past the largest step written, which no rank has passed yet. Store reads happen only
         on a rank that has a signal pending.
+
+        When the store cannot be reached (torchrun's agent, which serves it, died), this
+        returns False from then on and the ranks agree at the next log point instead, where
+        every rank's stop request already rides on the loss all-reduce over the process group.
         """
         if not self.distributed:
             return signal_pending
-        if self._preemption_stop_step is None and signal_pending:
-            store = dist.distributed_c10d._get_default_store()
-            if not self._preemption_registered:
-                store.set(f"framework/preempt/step/{self.rank}", str(global_step))
-                store.add("framework/preempt/ranks", 1)
-                self._preemption_registered = True
-            if store.add("framework/preempt/ranks", 0) == self.world_size:
-                steps = [int(store.get(f"framework/preempt/step/{rank}")) for rank in range(self.world_size)]
-                self._preemption_stop_step = max(steps) + 1
-                logger.debug(
-                    "rank %d: every rank has a signal pending; stopping at step %d", self.rank, self._preemption_stop_step
+        if self._preemption_stop_step is None and signal_pending and not self._store_lost:
+            try:
+                self._register_preemption(global_step)
+            except (RuntimeError, OSError) as error:  # DistNetworkError: the launcher serving the store is gone
+                self._store_lost = True
+                logger.warning(
+                    "rank %d: the store the ranks agree through is unreachable (%s: %s; its launcher died?): the ranks "
+                    "agree on the stop at the next log point instead, over the process group",
+                    self.rank,
+                    type(error).__name__,
+                    (str(error).strip().splitlines() or [""])[0][:200],
                 )
         return self._preemption_stop_step is not None and global_step >= self._preemption_stop_step
+
+    def _register_preemption(self, global_step: int) -> None:
+        """Count this rank in at the store; once every rank is, compute the stop step."""
+        store = dist.distributed_c10d._get_default_store()
+        if not self._preemption_registered:
+            store.set(f"framework/preempt/step/{self.rank}", str(global_step))
+            store.add("framework/preempt/ranks", 1)
+            self._preemption_registered = True
+        if store.add("framework/preempt/ranks", 0) == self.world_size:
+            steps = [int(store.get(f"framework/preempt/step/{rank}")) for rank in range(self.world_size)]
+            self._preemption_stop_step = max(steps) + 1
+            logger.debug("rank %d: every rank has a signal pending; stopping at step %d", self.rank, self._preemption_stop_step)
 
     def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:
         """Re-arm DDP's reducer for one more backward of the same forward (manual optimization).

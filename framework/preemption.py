@@ -77,6 +77,7 @@ class PreemptionHandler:
         self.signals = list(signals)
         self.requested = False
         self.signal_name: Optional[str] = None
+        self._signalled = False  # a caught signal arrived (a second one ends the process at once)
         self._previous: Dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> "PreemptionHandler":
@@ -98,11 +99,20 @@ class PreemptionHandler:
         for signum in self._previous:
             signal.signal(signum, signal.SIG_IGN)
 
+    def request(self, reason: str) -> None:
+        """Ask for the same stop as a signal, for ``reason`` (e.g. the launcher is gone; see
+        framework/launcher_watch.py). Safe from any thread; a later signal still counts as the first."""
+        if not self.requested:
+            self.signal_name = reason
+        self.requested = True
+
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        if self.requested:  # the second signal: stop waiting for the step to finish
+        if self._signalled:  # the second signal: stop waiting for the step to finish
             signal.signal(signum, self._previous.get(signal.Signals(signum), signal.SIG_DFL))
             self._previous.pop(signal.Signals(signum), None)
             os.kill(os.getpid(), signum)
             return
+        self._signalled = True
+        if not self.requested:
+            self.signal_name = signal.Signals(signum).name
         self.requested = True
-        self.signal_name = signal.Signals(signum).name

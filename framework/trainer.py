@@ -21,6 +21,7 @@ from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.evaluation_weights import best_checkpoint_url, load_evaluation_weights
 from framework.hooks import HookDispatcher
+from framework.launcher_watch import LauncherWatch
 from framework.loader_plan import RecordingSampler, warn_if_loader_ignores_plan
 from framework.loader_position import LoaderPosition
 from framework.loggers import LoggerSet, RunInfo, build_loggers, run_status
@@ -102,6 +103,8 @@ class Trainer(TrainerCheckpoints):
             cluster=args.cluster,
             compile=args.compile,
         )
+        environment = self.backend.cluster_environment
+        self.launcher_watch = LauncherWatch(self.preemption, environment.launcher, environment.parent_is_launcher)
         try:
             configure_logging(args.log_level, self.backend.is_main_process)
             self.train_step_batch_size, self.gradient_accumulation = micro_batch_plan(
@@ -197,7 +200,7 @@ class Trainer(TrainerCheckpoints):
         """
         try:
             self._setup_training()
-            with self.preemption:
+            with self.preemption, self.launcher_watch:  # a signal, or the launcher's death, stops at a step boundary
                 self.hooks.call("on_begin_train", self.global_steps_finished)
                 if self.args.sanity_val_steps and self.global_steps_finished == 0:
                     self._evaluate(Stage.VAL, max_batches=self.args.sanity_val_steps, record=False)
@@ -217,7 +220,9 @@ class Trainer(TrainerCheckpoints):
         except BaseException as error:
             self.close()
             self.loggers.finish(run_status(error))  # after the checkpoint is written
-            explanation = None if isinstance(error, TrainingPreempted) else self.backend.strategy.explain_failure(error)
+            explanation = None
+            if not isinstance(error, TrainingPreempted):
+                explanation = self.launcher_watch.explain(error) or self.backend.strategy.explain_failure(error)
             if explanation is not None:
                 raise RuntimeError(explanation) from error
             raise

@@ -236,3 +236,18 @@ def test_an_unknown_preemption_signal_is_refused_by_name():
     with pytest.raises(ValueError, match=r"preemption_signals: 'SIGFOO' is not a signal .* allowed: .*SIGTERM"):
         TrainerArguments(preemption_signals="SIGTERM,SIGFOO")
     assert TrainerArguments(preemption_signals="").preemption_signals == ""  # catches none
+
+
+def test_a_stop_requested_without_a_signal_leaves_the_first_signal_caught():
+    # framework/launcher_watch.py asks for the stop when the launcher dies; a SIGTERM sent to
+    # the orphan afterwards must still be the caught first signal, not the fatal second one.
+    from framework.preemption import PreemptionHandler, parse_signals
+
+    handler = PreemptionHandler(parse_signals("SIGINT"))
+    with handler:
+        handler.request("the loss of its launcher")
+        os.kill(os.getpid(), signal.SIGINT)  # caught: no KeyboardInterrupt
+        assert handler.requested and handler.signal_name == "the loss of its launcher"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second signal aborts at once
+            time.sleep(1)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from distributed import run_ranks
 from toy import ToyModule, toy_args
 
 from framework import Trainer
@@ -101,3 +102,42 @@ def test_checkpoints_written_before_run_ids_existed_resume_without_error(run_a, 
     resumed = train(old_dir, epochs=3)
     assert resumed.global_steps_finished == run.global_steps_finished * 3 // 2
     assert saved_run_id(newest(old_dir)) == resumed.run_id != run.run_id
+
+
+def _ddp_resumes(rank, foreign, optimizer_changed):
+    """Rank ``rank`` of 2 resumes two directories under ddp: what each resume raised."""
+    import torch.distributed as dist
+    from test_optimizer_changes import Configurable
+
+    dist.init_process_group("gloo")  # one group for both trainers (each uses the caller's group)
+    outcomes = []
+    for directory, module in ((foreign, ToyModule(n_train=64, scheduler="step")), (optimizer_changed, Configurable(kind="adam"))):
+        args = toy_args(directory, checkpoints(), epochs=3, backend="ddp")
+        trainer = Trainer(module, args)
+        try:
+            trainer.train()
+            outcomes.append("trained")
+        except Exception as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+        finally:
+            trainer.close()
+    dist.destroy_process_group()
+    return outcomes
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ddp_refuses_a_foreign_checkpoint_and_another_optimizer_on_both_ranks(run_a, tmp_path):
+    from test_optimizer_changes import Configurable
+
+    directory, run = run_a
+    foreign = tmp_path / "foreign"
+    other = train(foreign, epochs=1)
+    shutil.copy(newest(directory), foreign / "run" / "checkpoints" / "checkpoint-000000099.pt")
+    changed = tmp_path / "changed"
+    Trainer(Configurable(), toy_args(changed, checkpoints(), epochs=1)).train()  # SGD, then Adam under ddp
+    outcomes = run_ranks(_ddp_resumes, timeout=120, foreign=str(foreign), optimizer_changed=str(changed))
+    for rank_outcomes in outcomes:  # both ranks stopped (none hung), each naming what is wrong
+        refused, mismatch = rank_outcomes
+        assert refused.startswith("ForeignCheckpoint") and run.run_id in refused and other.run_id in refused
+        assert mismatch.startswith("CheckpointMismatch") and "class SGD" in mismatch and "Adam" in mismatch

@@ -110,3 +110,18 @@ def test_the_lock_is_released_when_training_raises(tmp_path):
     with pytest.raises(ZeroDivisionError):
         train(tmp_path, Failing(n_train=64, scheduler=None))
     assert not (tmp_path / "run" / LOCK_NAME).exists()
+
+
+def test_the_heartbeat_is_refreshed_and_a_taken_over_lock_is_left_to_its_new_holder(tmp_path, framework_log):
+    from framework.run_lock import RunLock
+
+    lock = RunLock(str(tmp_path), heartbeat_seconds=0.05)
+    lock.acquire()
+    first = json.loads((tmp_path / LOCK_NAME).read_text())
+    wait_for(lambda: json.loads((tmp_path / LOCK_NAME).read_text())["heartbeat"] > first["heartbeat"], timeout=10)
+    # another host took the lock over (it judged this one stale): this run stops beating, leaves it alone
+    write_lock(tmp_path, 4242, "node-elsewhere", age=0.0)
+    taken = (tmp_path / LOCK_NAME).read_text()
+    wait_for(lambda: any("was taken over by another run" in line for line in framework_log), timeout=10)
+    lock.release()
+    assert (tmp_path / LOCK_NAME).read_text() == taken

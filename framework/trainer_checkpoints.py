@@ -78,9 +78,9 @@ class TrainerCheckpoints:
         """Save module, trainer and backend state now (or, with ``force=False``, if ``index`` is due).
 
         Call it on every rank, at an optimizer-step boundary (e.g. from ``on_end_optimizer_step``)
-        for an exact resume. Every rank builds the state (RNG states are gathered); after a
-        barrier rank zero writes, and its result (where it went, or its error) is broadcast,
-        so every rank waits for the save and every rank raises if it failed.
+        for an exact resume. Every rank builds the state (RNG states are gathered) and hands it
+        to the checkpointer, which writes through the strategy (one file from rank zero, or
+        shards from every rank); every rank raises if the save failed on any rank.
         Returns where the checkpoint went, or None when it was not due.
         """
         step = self.global_steps_finished
@@ -89,22 +89,7 @@ class TrainerCheckpoints:
             position.skip_save(step)  # a checkpoint no later run could resume
             return None
         checkpoint = self._current_checkpoint()
-        if self.checkpointer.saves_on_every_rank:  # sharded: every rank writes its shards (errors are agreed)
-            return self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
-        self.backend.barrier()
-        location, error = None, None
-        if self.is_main_process:
-            try:
-                location = self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
-            except Exception as caught:  # re-raised below, after the other ranks learn about it
-                error = caught
-        failure = None if error is None else f"{type(error).__name__}: {error}"
-        location, failure = self.backend.broadcast_object((location, failure))  # the barrier after the save
-        if error is None and failure is not None:
-            raise RuntimeError(f"rank zero failed to save a checkpoint: {failure}")
-        if error is not None:
-            raise error
-        return location
+        return self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
 
     def _current_checkpoint(self) -> Checkpoint:
         """The run's state now (collective under DDP: call on every rank)."""
@@ -122,12 +107,11 @@ class TrainerCheckpoints:
 
     def save_model_checkpoint(self) -> Optional[str]:
         """Write the module's full weights alone (for inference), on rank zero (call on every rank)."""
-        location = None
-        state = self.backend.strategy.unsharded(self.module.get_state())  # fsdp: gathered from the shards
-        if self.is_main_process:
-            location = self.checkpointer.save_model(state, self.global_steps_finished)
-        self.backend.barrier()
-        return location
+        strategy = self.backend.strategy
+        state = strategy.unsharded(self.module.get_state())  # fsdp: gathered from the shards
+        step = self.global_steps_finished
+        location = strategy.run_on_rank_zero(lambda: self.checkpointer.save_model(state, step), "failed to export the model")
+        return location if self.is_main_process else None
 
     def _restore_checkpoint(self) -> None:
         checkpoint = self.checkpointer.load_into(self._current_checkpoint, self.optimizers)  # sharded: in place

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from backends import TrainerBackend
+from backends import TrainerBackend, map_tensors
 from framework import checks
 from framework.arguments import TrainerArguments
 from framework.callbacks.base import Callback
@@ -125,7 +125,7 @@ class TrainerCheckpoints:
             return
         path = getattr(self.checkpointer, "loaded_from", None)
         with checks.naming_missing_keys(path, "module state"):
-            self.module.update_state(checkpoint.module_state)
+            self.module.update_state({**checkpoint.module_state, **self._own_module_state(checkpoint.trainer_state)})
         if self.checkpointer.restores_model_only():  # reset_optimizers_schedulers: weights only
             return
         checks.check_optimizer_state_compatible(checkpoint.trainer_state, self.optimizers, self.schedulers, path)
@@ -133,15 +133,27 @@ class TrainerCheckpoints:
             self.backend.update_state(checkpoint.backend_state)
             self.update_state(checkpoint.trainer_state)
 
+    def _own_module_state(self, trainer_state: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's entries of the module's ``get_state()`` besides its weights (``"model"``),
+        as saved by rank (``rank % saved world size`` on another world size); empty for
+        checkpoints written before they were saved per rank."""
+        ranks = trainer_state.get("ranks") if isinstance(trainer_state, dict) else None
+        if not ranks:
+            return {}
+        return dict(ranks[self.backend.rank % len(ranks)].get("module", {}))
+
     def get_state(self) -> Dict[str, Any]:
         """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
-        schedulers, callbacks, history, and per rank: RNG states, running losses, logged values.
+        schedulers, callbacks, history, and per rank: RNG states, running losses, logged values,
+        the loader's or dataset's ``state_dict()``, and the module's ``get_state()`` entries other
+        than ``"model"`` (the user's own state, e.g. a replay buffer: each rank restores its own).
         Collective under DDP (the per-rank part is gathered): call it on every rank."""
         rank_local = {  # differs between ranks: gathered, each rank restores its own
             "rng": capture_rng_state(),
             **self.losses.state_dict(),
             "logged_values": self._metrics.state_dict(),
             "loader": None if self._loader_position is None else self._loader_position.state_dict(),
+            "module": map_tensors({key: value for key, value in self.module.get_state().items() if key != "model"}, _to_cpu),
         }
         return {
             **self.progress.state_dict(self.backend.world_size, self.train_step_batch_size),
@@ -161,8 +173,8 @@ class TrainerCheckpoints:
         ranks = state["ranks"]
         if len(ranks) != world_size:
             logger.warning(
-                "checkpoint written by %d ranks, resumed on %d: RNG streams and running losses are taken from "
-                "rank (this rank mod %d)",
+                "checkpoint written by %d ranks, resumed on %d: RNG streams, running losses, loader state and the "
+                "module's per-rank state are taken from rank (this rank mod %d)",
                 len(ranks),
                 world_size,
                 len(ranks),
@@ -186,3 +198,7 @@ class TrainerCheckpoints:
                 callback.update_state(match["state"])
         self.checkpointer.update_state(state.get("checkpointer", {}))
         self.history.load_state_dict(state["history"])
+
+
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu()

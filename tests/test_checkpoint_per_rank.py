@@ -1,6 +1,7 @@
 """Per-rank state survives a resume on 2 real gloo ranks (``ddp``): the module's own state in
 ``get_state()`` (an RL replay buffer) and the train dataset's ``state_dict()``, each rank getting
-its own back, from a checkpoint taken at an epoch end and from one taken mid-epoch."""
+its own back, from a checkpoint taken at an epoch end, from one taken mid-epoch, and from the
+previous one when the newest checkpoint file is damaged (skipped with a warning)."""
 
 import os
 from typing import Any, Dict, List
@@ -15,6 +16,7 @@ from toy import ToyModule, make_classification
 
 from framework import Trainer, TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
+from framework.checkpoint.default import checkpoint_name
 
 STEPS_PER_EPOCH = 4  # 128 samples, global batch 32
 
@@ -60,7 +62,7 @@ class ReplayModule(ToyModule):
         self.buffer = list(state["buffer"])
 
 
-def run(out: str, resume: bool, **overrides: Any) -> Trainer:
+def run(out: str, resume: bool, save_every_n_steps: Any = None, **overrides: Any) -> Trainer:
     args = TrainerArguments(
         epochs=2,
         train_batch_size=32,
@@ -68,7 +70,7 @@ def run(out: str, resume: bool, **overrides: Any) -> Trainer:
         disable_tqdm=True,
         log_level="WARNING",
         output_dir=out,
-        checkpointer_args=DefaultCheckpointerArguments(resume="auto" if resume else None),
+        checkpointer_args=DefaultCheckpointerArguments(resume="auto" if resume else None, save_every_n_steps=save_every_n_steps),
         **overrides,
     )
     trainer = Trainer(ReplayModule(), args)
@@ -89,18 +91,28 @@ def per_rank_scenarios(rank: int, out: str) -> Dict[str, Any]:
         resumed = run(directory, resume=True)
         results[name] = final_state(resumed)
         results[name + "_step"] = resumed.global_steps_finished
+    directory = os.path.join(out, "damaged")
+    run(directory, resume=False, save_every_n_steps=1, max_steps=STEPS_PER_EPOCH + 2)
+    if rank == 0:
+        with open(os.path.join(directory, "checkpoints", checkpoint_name(STEPS_PER_EPOCH + 2)), "r+b") as handle:
+            handle.truncate(1000)  # a write cut short
+    dist.barrier()
+    resumed = run(directory, resume=True)
+    results["damaged"], results["damaged_step"] = final_state(resumed), resumed.global_steps_finished
+    results["damaged_from"] = resumed.checkpointer.loaded_from
     dist.destroy_process_group()
     return results
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_each_rank_gets_its_own_module_and_dataset_state_back(tmp_path):
+def test_each_rank_gets_its_own_module_and_dataset_state_back_and_damaged_files_are_skipped(tmp_path):
     ranks = run_ranks(per_rank_scenarios, out=str(tmp_path), timeout=240)
     whole = [result["uninterrupted"] for result in ranks]
     assert whole[0]["buffer"] != whole[1]["buffer"] and whole[0]["read"] != whole[1]["read"]  # the ranks differ
     for rank, result in enumerate(ranks):
-        for name in ("epoch_end", "mid_epoch"):
+        assert result["damaged_from"].endswith(checkpoint_name(STEPS_PER_EPOCH + 1))  # the truncated newest was skipped
+        for name in ("epoch_end", "mid_epoch", "damaged"):
             assert result[name + "_step"] == 2 * STEPS_PER_EPOCH
             assert result[name] == whole[rank], (rank, name)
     assert torch.tensor(whole[1]["buffer"]).min() >= 1000  # rank 1 never got rank 0's buffer

@@ -192,7 +192,10 @@ def load(
         raise FileNotFoundError(f"sharded checkpoint directory {path!r} does not exist")
     if not fs.exists(posixpath.join(directory, COMPLETE_MARKER)):
         raise CorruptCheckpoint(f"no {COMPLETE_MARKER} marker: the save did not finish")
-    rest = io.read(fs.unstrip_protocol(posixpath.join(directory, STATE_FILE)))
+    try:
+        rest = io.read(fs.unstrip_protocol(posixpath.join(directory, STATE_FILE)))
+    except FileNotFoundError as error:
+        raise CorruptCheckpoint(f"its {STATE_FILE} is missing") from error
     if not isinstance(rest, dict):
         raise CorruptCheckpoint(f"{STATE_FILE} is not a sharded checkpoint's state")
     _check_index(fs, directory, rest, io)

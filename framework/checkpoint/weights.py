@@ -131,7 +131,10 @@ def _existing(fs: Any, path: str, step: int, directory: str) -> str:
         candidate = storage.join(path, checkpoint_name(step, suffix))
         if fs.exists(candidate):
             return fs.unstrip_protocol(candidate)
-    raise FileNotFoundError(f"{directory!r} holds no checkpoint of step {step}")
+    raise FileNotFoundError(
+        f"checkpoint file {storage.join(directory, checkpoint_name(step))!r} does not exist "
+        f"(nor a sharded checkpoint directory {checkpoint_name(step, '')!r})"
+    )
 
 
 def _scores_by_step(latest: Checkpoint, metric: str) -> Dict[int, float]:

@@ -62,9 +62,9 @@ class ReplayModule(ToyModule):
         self.buffer = list(state["buffer"])
 
 
-def run(out: str, resume: bool, save_every_n_steps: Any = None, **overrides: Any) -> Trainer:
+def run(out: str, resume: bool, save_every_n_steps: Any = None, epochs: int = 2, **overrides: Any) -> Trainer:
     args = TrainerArguments(
-        epochs=2,
+        epochs=epochs,
         train_batch_size=32,
         backend="ddp",
         disable_tqdm=True,
@@ -116,3 +116,8 @@ def test_each_rank_gets_its_own_module_and_dataset_state_back_and_damaged_files_
             assert result[name + "_step"] == 2 * STEPS_PER_EPOCH
             assert result[name] == whole[rank], (rank, name)
     assert torch.tensor(whole[1]["buffer"]).min() >= 1000  # rank 1 never got rank 0's buffer
+    # On one process (another world size), rank 0 takes saved rank 0's state, as the RNG streams do.
+    one = run(str(tmp_path / "epoch_end"), resume=True, epochs=3)
+    assert one.global_steps_finished == 3 * STEPS_PER_EPOCH
+    assert one.module.buffer[: len(whole[0]["buffer"])] == whole[0]["buffer"]
+    assert one.module.train_ds.read[: len(whole[0]["read"])] == whole[0]["read"]

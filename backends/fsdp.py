@@ -7,13 +7,13 @@ Process-group handling, samplers and collectives are the DDP strategy's.
 
 import contextlib
 import logging
-from typing import Any, ContextManager, Dict, Iterator, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence
 
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
 
 from backends.batch import map_tensors
+from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
 from backends.strategies import DDP
 from backends.units import module_units
 
@@ -26,7 +26,8 @@ class FSDP(DDP):
     Units: the module's ``sharding_units()`` when it defines one, else every block of every
     ``nn.ModuleList`` in it; then the root (everything left: embeddings, heads). With one rank
     nothing is sharded and it trains like ``sp``. Checkpoints are sharded (every rank writes
-    its shards, ``torch.distributed.checkpoint``) and can be resumed on another world size.
+    its shards, ``torch.distributed.checkpoint``; see :mod:`backends.sharded_checkpoint`) and
+    can be resumed on another world size, or read whole in one process.
 
     Mixed precision (``fsdp-amp``): parameters are all-gathered in the precision's compute
     dtype (bf16) and gradients reduce-scattered in fp32 (FSDP2 ``MixedPrecisionPolicy``); the
@@ -43,17 +44,18 @@ class FSDP(DDP):
     Example:
         >>> strategy = FSDP()   # under torchrun: rank and world size come from the environment
         >>> strategy.setup(use_gpu=False)
-        >>> strategy.saves_sharded
-        True
+        >>> strategy.checkpoint_suffix  # a checkpoint is a directory of shards
+        ''
     """
 
     name = "fsdp"
-    saves_sharded = True
+    checkpoint_suffix = ""
 
     def __init__(self, reshard_after_forward: bool = True, timeout_seconds: Optional[float] = None) -> None:
         super().__init__(find_unused_parameters=False, timeout_seconds=timeout_seconds)
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype: Optional[torch.dtype] = None
+        self._checkpoint_group: Any = None
 
     def configure_precision(self, compute_dtype: Optional[torch.dtype], uses_grad_scaler: bool) -> None:
         if uses_grad_scaler:
@@ -105,6 +107,8 @@ class FSDP(DDP):
         or optimizer step (which changed the shards), for the rest of ``train_step``."""
         if _fsdp_state(wrapped) is None:
             return
+        from torch.distributed.fsdp import FSDPModule
+
         for module in wrapped.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -113,6 +117,58 @@ class FSDP(DDP):
     def unsharded(self, state: Any) -> Any:
         """``state`` with every sharded tensor all-gathered into a full CPU tensor (call it on every rank)."""
         return map_tensors(state, _full_cpu_tensor)
+
+    def local_shards(self, state: Any) -> Any:
+        return map_tensors(state, _local_tensor)
+
+    # -- checkpoints ----------------------------------------------------------------
+    def save_checkpoint(self, path: str, state: Dict[str, Any], io: CheckpointIO, copy: bool = False) -> Callable[[], None]:
+        """Prepare a sharded save into the directory ``path``: every rank writes its shards, rank
+        zero the rest (see :mod:`backends.sharded_checkpoint`). With ``copy`` (a background write)
+        the shards are copied to CPU first and DCP's collectives run over a process group of
+        their own, so they never interleave with training's."""
+        from backends import sharded_checkpoint  # DCP: imported only when used
+
+        group = None
+        if copy and self.distributed:
+            if self._checkpoint_group is None:
+                self._checkpoint_group = dist.new_group(backend="gloo")  # collective: every rank saves together
+            group = self._checkpoint_group
+        return sharded_checkpoint.prepare_save(
+            path,
+            state,
+            io,
+            is_main=self.is_main_process,
+            distributed=self.distributed,
+            on_rank_zero=self.run_on_rank_zero,
+            process_group=group,
+            copy=copy,
+        )
+
+    def load_checkpoint(
+        self,
+        path: str,
+        io: CheckpointIO,
+        target: Optional[Callable[[], Dict[str, Any]]] = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> Dict[str, Any]:
+        """Every rank reads its own shards of the checkpoint directory ``path`` into ``target()``'s
+        tensors (this run's sharding, any world size wrote it); without ``target``, full tensors.
+
+        Raises:
+            ValueError: ``path`` is a whole-model file (``sp``/``ddp``), which this strategy does not resume.
+        """
+        from backends import sharded_checkpoint  # DCP: imported only when used
+
+        if not is_sharded_checkpoint(path):
+            if target is None:
+                return io.read(path)
+            raise ValueError(
+                f"{path} is a whole-model checkpoint file (written by sp or ddp); the {self.name} strategy resumes "
+                "sharded checkpoint directories: resume it with the backend that wrote it, or load its weights with "
+                "framework.checkpoint.load_weights"
+            )
+        return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed)
 
 
 @contextlib.contextmanager
@@ -126,13 +182,23 @@ def _without_gradient_sync(wrapped: Any) -> Iterator[None]:
 
 def _fsdp_state(wrapped: torch.nn.Module) -> Any:
     """The FSDP2 state of the root module (None when it was not sharded: one rank)."""
+    from torch.distributed.fsdp import FSDPModule
+
     return wrapped._get_fsdp_state() if isinstance(wrapped, FSDPModule) else None
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def _full_cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    if isinstance(tensor, DTensor):
-        return tensor.full_tensor().cpu()
-    return tensor
+    return tensor.full_tensor().cpu() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
 
 
 def sharded_parameter_count(module: torch.nn.Module) -> Dict[str, int]:
@@ -145,5 +211,5 @@ def sharded_parameter_count(module: torch.nn.Module) -> Dict[str, int]:
     local = total = 0
     for parameter in module.parameters():
         total += parameter.numel()
-        local += parameter.to_local().numel() if isinstance(parameter, DTensor) else parameter.numel()
+        local += _local_tensor(parameter).numel()
     return {"local": local, "total": total}

@@ -10,13 +10,14 @@ import datetime
 import logging
 import sys
 import time
-from typing import Any, ContextManager, List, Optional, Sequence, Sized, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Sized, Tuple, Type
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from backends.batch import map_tensors
+from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
 from backends.environments import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
 from backends.samplers import ResumableSampler, interleave_ranks
 from backends.streams import shard_stream
@@ -60,9 +61,9 @@ class Strategy:
     name = "single-process"
     multi_process = False
     """True for strategies that run one process per device (DDP); False refuses multi-process launches."""
-    saves_sharded = False
-    """True when every rank holds only a shard of the state: checkpoints are then written by every
-    rank (:class:`framework.checkpoint.sharded.ShardedCheckpointer`), not by rank zero alone."""
+    checkpoint_suffix = ".pt"
+    """What follows ``checkpoint-<step>`` in a checkpoint's name: ``".pt"`` for one file,
+    ``""`` for a directory of shards (see :meth:`save_checkpoint`)."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -137,6 +138,90 @@ class Strategy:
         """``state`` with sharded tensors gathered into full ones (collective where sharded; call on every rank)."""
         return state
 
+    def local_shards(self, state: Any) -> Any:
+        """``state`` with each sharded tensor replaced by the part this rank holds (no communication)."""
+        return state
+
+    # -- checkpoints ----------------------------------------------------------------
+    def save_checkpoint(self, path: str, state: Dict[str, Any], io: CheckpointIO, copy: bool = False) -> Callable[[], None]:
+        """Prepare writing ``state`` to ``path``; return the write, to run now or on a background
+        thread. Call on every rank, with the same arguments.
+
+        Here (one process, DDP): rank zero writes one file with ``io.write``; the other ranks'
+        write does nothing. ``copy``: the state is copied (``io.stage``) before returning, so
+        training may change it while the write runs.
+        """
+        if not self.is_main_process:
+            return _write_nothing
+        data = io.stage(state) if copy else state
+        return lambda: io.write(path, data)
+
+    def load_checkpoint(
+        self,
+        path: str,
+        io: CheckpointIO,
+        target: Optional[Callable[[], Dict[str, Any]]] = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> Dict[str, Any]:
+        """What :meth:`save_checkpoint` wrote at ``path`` (call on every rank: each reads it).
+
+        ``target`` returns this run's state (a sharded strategy loads into its tensors, and
+        creates ``optimizers``' state first); here the file is read whole with ``io.read``, and a
+        sharded checkpoint directory is read with full tensors (so a sharded run resumes here).
+
+        Raises:
+            CorruptCheckpoint: the checkpoint is damaged (resuming falls back to an older one).
+            CheckpointRefused: safe loading refuses it.
+        """
+        if is_sharded_checkpoint(path):
+            from backends import sharded_checkpoint  # DCP: imported only when used
+
+            return sharded_checkpoint.load(path, io)
+        return io.read(path)
+
+    def run_on_rank_zero(self, compute: Callable[[], Any], what: str, share_as: Tuple[Type[Exception], ...] = ()) -> Any:
+        """``compute()`` on rank zero, its result returned on every rank (call on every rank).
+
+        A failure there is raised on every rank, so no rank waits for a rank that gave up: rank
+        zero raises its own error; the others a RuntimeError (or the first of ``share_as`` the
+        error is an instance of) saying ``"rank zero <what>: <error>"``.
+
+        Example:
+            >>> SingleProcess().run_on_rank_zero(lambda: 42, "failed to compute the answer")
+            42
+        """
+        result, error = None, None
+        if self.is_main_process:
+            try:
+                result = compute()
+            except Exception as caught:  # re-raised below, after the other ranks learn about it
+                error = caught
+        if self.world_size > 1:
+            failure = None
+            if error is not None:
+                kind = next((index for index, shared in enumerate(share_as) if isinstance(error, shared)), None)
+                failure = (f"{type(error).__name__}: {error}", kind)
+            result, failure = self.broadcast_object((result, failure))
+            if error is None and failure is not None:
+                message, kind = failure
+                raise (RuntimeError if kind is None else share_as[kind])(f"rank zero {what}: {message}")
+        if error is not None:
+            raise error
+        return result
+
+    def raise_if_any_failed(self, error: Optional[BaseException], what: str) -> None:
+        """Agree on a failure that any rank may have had (call on every rank): this rank's
+        ``error`` is raised here, and a rank without one raises a RuntimeError naming the other
+        rank's. Also a barrier."""
+        if self.world_size > 1:
+            failures = self.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+            if error is None:
+                for rank, failure in enumerate(failures):
+                    if failure is not None:
+                        raise RuntimeError(f"rank {rank} failed to {what}: {failure}")
+        if error is not None:
+            raise error
+
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """Context for one micro-batch: inside it, gradients accumulate without communication."""
         return _NO_CONTEXT
@@ -190,6 +275,10 @@ class Strategy:
     def explain_failure(self, error: BaseException) -> Optional[str]:
         """A sentence on what a distributed failure means and what to change, or None."""
         return None
+
+
+def _write_nothing() -> None:
+    """The write of a rank that writes nothing."""
 
 
 class SingleProcess(Strategy):

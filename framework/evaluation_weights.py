@@ -4,7 +4,7 @@ same file on every rank (rank zero picks it and broadcasts where it is)."""
 import logging
 from typing import Any, Callable, Optional, Union
 
-from framework.checkpoint.weights import load_weights
+from framework.checkpoint.weights import load_weights, resolve_checkpoint
 
 logger = logging.getLogger("framework")
 
@@ -30,27 +30,14 @@ def check_checkpoint_choice(checkpoint: Any, method: str) -> None:
 
 
 def on_main_then_everywhere(backend: Any, compute: Callable[[], Any], what: str) -> Any:
-    """``compute()`` on rank zero, its result broadcast to every rank; a failure there is raised on
-    every rank (rank zero its own error, the others a RuntimeError quoting it), so no rank waits."""
-    result, error = None, None
-    if backend.is_main_process:
-        try:
-            result = compute()
-        except Exception as caught:  # re-raised below, after the other ranks learn about it
-            error = caught
-    if backend.world_size > 1:
-        failure = None if error is None else f"{type(error).__name__}: {error}"
-        result, failure = backend.broadcast_object((result, failure))
-        if error is None and failure is not None:
-            raise RuntimeError(f"rank zero failed to {what}: {failure}")
-    if error is not None:
-        raise error
-    return result
+    """``compute()`` on rank zero, its result on every rank; a failure there is raised on every
+    rank (see ``Strategy.run_on_rank_zero``)."""
+    return backend.strategy.run_on_rank_zero(compute, f"failed to {what}")
 
 
 def best_checkpoint_url(checkpointer: Any, backend: Any) -> Optional[str]:
-    """Rank zero's ``checkpointer.best_checkpoint()`` on every rank (only rank zero writes and
-    scores checkpoints). Collective under DDP: call it on every rank."""
+    """Rank zero's ``checkpointer.best_checkpoint()`` on every rank (rank zero scores the
+    checkpoints it keeps). Collective under DDP: call it on every rank."""
     best = getattr(checkpointer, "best_checkpoint", None)
     return on_main_then_everywhere(backend, lambda: best() if callable(best) else None, "find the best checkpoint")
 
@@ -68,37 +55,40 @@ def load_evaluation_weights(trainer: Any, checkpoint: CheckpointChoice, method: 
       run's scored ones, else from the run history saved in ``save_dir``.
     - a path or URL: that checkpoint file (or model export), or the newest in that directory.
 
-    Rank zero resolves the file and broadcasts its URL; every rank loads that file.
+    Rank zero resolves the checkpoint and shares its URL; every rank then loads it through
+    the strategy (``fsdp``: each rank its own shards of a sharded checkpoint).
 
     Raises:
         TypeError: ``checkpoint`` is none of the above.
         FileNotFoundError, ValueError: no such checkpoint (on every rank).
-        NotImplementedError: sharded (fsdp) checkpoints.
     """
     check_checkpoint_choice(checkpoint, method)
     if checkpoint is None:
         _warn_if_untrained(trainer, method)
         return None
-    if getattr(trainer.backend.strategy, "saves_sharded", False):
-        raise NotImplementedError(
-            f"{method}(checkpoint={checkpoint!r}) reads whole-model checkpoints; the {trainer.backend.strategy.name} "
-            "strategy writes sharded ones: train() resumes them, or evaluate with checkpoint=None after training"
-        )
-    module, checkpointer = trainer.module, trainer.checkpointer
-    url = on_main_then_everywhere(
-        trainer.backend, lambda: _load_on_main(module, checkpointer, checkpoint), f"load checkpoint={checkpoint!r}"
+    module, checkpointer, strategy = trainer.module, trainer.checkpointer, trainer.backend.strategy
+    url = strategy.run_on_rank_zero(
+        lambda: _resolve_on_main(checkpointer, checkpoint),
+        f"failed to load checkpoint={checkpoint!r}",
+        share_as=(FileNotFoundError, ValueError),
     )
-    if not trainer.backend.is_main_process:
-        load_weights(module, url)
+    load_weights(module, url, weights_only=_weights_only(checkpointer), strategy=strategy)
     trainer.__dict__["_loaded_evaluation_weights"] = url  # later calls with checkpoint=None use these: no warning
     logger.info("%s: evaluating the weights of %s", method, url)
     return url
 
 
-def _load_on_main(module: Any, checkpointer: Any, checkpoint: str) -> str:
+def _weights_only(checkpointer: Any) -> bool:
+    args = getattr(checkpointer, "args", None)
+    return bool(getattr(args, "weights_only", True))
+
+
+def _resolve_on_main(checkpointer: Any, checkpoint: str) -> str:
+    """The URL of the checkpoint ``checkpoint`` names (rank zero reads candidates to find it)."""
+    weights_only = _weights_only(checkpointer)
     save_dir = getattr(checkpointer, "save_dir", None)
     if checkpoint not in ("last", "best"):
-        return load_weights(module, checkpoint)
+        return resolve_checkpoint(checkpoint, weights_only=weights_only)
     if save_dir is None:
         raise ValueError(
             f"checkpoint={checkpoint!r} needs a checkpointer with a save_dir ({type(checkpointer).__name__} has none); "
@@ -108,11 +98,11 @@ def _load_on_main(module: Any, checkpointer: Any, checkpoint: str) -> str:
     if checkpoint == "best":
         scored = checkpointer.best_checkpoint() if callable(getattr(checkpointer, "best_checkpoint", None)) else None
         if scored is not None:
-            return load_weights(module, scored)
+            return resolve_checkpoint(scored, weights_only=weights_only)
         metric, mode = getattr(args, "metric", "val_loss"), getattr(args, "mode", "min")
-        return load_weights(module, save_dir, step="best", metric=metric, mode=mode)
+        return resolve_checkpoint(save_dir, step="best", metric=metric, mode=mode, weights_only=weights_only)
     try:
-        return load_weights(module, save_dir, step="last")
+        return resolve_checkpoint(save_dir, step="last", weights_only=weights_only)
     except FileNotFoundError:
         source = _resume_source(checkpointer)
         if source is None or source == save_dir:
@@ -120,7 +110,7 @@ def _load_on_main(module: Any, checkpointer: Any, checkpoint: str) -> str:
                 f"checkpoint='last': save_dir {save_dir!r} holds no checkpoint, and there is no load_filename or "
                 "load_dir to take one from; train first, or pass a checkpoint's path"
             ) from None
-        return load_weights(module, source, step="last")
+        return resolve_checkpoint(source, step="last", weights_only=weights_only)
 
 
 def _resume_source(checkpointer: Any) -> Union[str, None]:

@@ -24,6 +24,12 @@ class LoaderPosition:
     Otherwise (``RandomSampler``, ``DistributedSampler``, a stream without state, ...)
     :attr:`reason` says why, the trainer warns once at start and saves only at epoch ends.
 
+    A loader (or, without workers, a dataset) with ``state_dict()`` / ``load_state_dict()`` has
+    its state saved per rank in every checkpoint and restored on every rank at every resume,
+    epoch-end checkpoints included (a replay buffer or a reader that continues where the last
+    epoch stopped outlives the epoch). On another world size, rank ``r`` gets the state of
+    saved rank ``r % saved world size``, as for the RNG streams.
+
     Args:
         loader: the train loader, as the trainer iterates it.
 
@@ -40,6 +46,8 @@ class LoaderPosition:
         self._pending_state: Optional[Any] = None
         self._skipped = False
         self.mode, self.reason = _resume_mode(loader, self.samplers)
+        self.stateful = _stateful_part(loader)
+        """The loader or dataset whose ``state_dict`` checkpoints keep, or None."""
 
     @property
     def resumable_mid_epoch(self) -> bool:
@@ -69,13 +77,14 @@ class LoaderPosition:
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
         state, self._pending_state = self._pending_state, None
+        if state is not None and self.stateful is not None:  # at an epoch end too: the state outlives epochs
+            self.stateful.load_state_dict(state)
         if not samples_done:
             return
         if self.mode == "sampler":
             next(s for s in self.samplers if hasattr(s, "fast_forward")).fast_forward(samples_done)
         elif self.mode in ("loader_state", "dataset_state") and state is not None:
-            target = self.loader if self.mode == "loader_state" else self.loader.dataset
-            target.load_state_dict(state)
+            pass  # the state loaded above continues the epoch
         else:
             sampler = self.samplers[0] if self.samplers else None
             raise ValueError(
@@ -85,15 +94,11 @@ class LoaderPosition:
             )
 
     def state_dict(self) -> Optional[Any]:
-        """The loader's or dataset's own state (per rank), or None when the sampler suffices."""
-        if self.mode == "loader_state":
-            return self.loader.state_dict()
-        if self.mode == "dataset_state":
-            return self.loader.dataset.state_dict()
-        return None
+        """The loader's or dataset's own state (this rank's), or None when neither has one."""
+        return None if self.stateful is None else self.stateful.state_dict()
 
     def load_state_dict(self, state: Optional[Any]) -> None:
-        """Keep ``state`` for the next :meth:`start_epoch` (applied only when resuming mid-epoch)."""
+        """Keep ``state`` for the next :meth:`start_epoch`, which loads it (mid-epoch or at an epoch start)."""
         self._pending_state = state
 
 
@@ -103,6 +108,16 @@ def _samplers(loader: Any) -> List[Any]:
         if candidate is not None and all(candidate is not other for other in found):
             found.append(candidate)
     return sorted(found, key=lambda sampler: not hasattr(sampler, "fast_forward"))  # the one that fast-forwards first
+
+
+def _stateful_part(loader: Any) -> Optional[Any]:
+    """The loader when it has the state protocol, else its dataset when it has and no worker copies it."""
+    if _has_state_protocol(loader):
+        return loader
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and _has_state_protocol(dataset) and getattr(loader, "num_workers", 0) == 0:
+        return dataset
+    return None
 
 
 def _has_state_protocol(obj: Any) -> bool:

@@ -8,6 +8,7 @@ the run already there (``resume="auto"``, or loading from its own ``save_dir``) 
 """
 
 import os
+import re
 from typing import TYPE_CHECKING, List
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -17,7 +18,9 @@ if TYPE_CHECKING:  # pragma: no cover
 RUN_FILES = ("metrics.csv", "config.yaml")
 """Files a run writes into ``output_dir``; finding one means another run lives there."""
 
-_CHECKPOINT_PREFIXES = ("checkpoint-", "model-")
+RUN_ENTRY = re.compile(r"^(checkpoint|model)-\d+(\.pt)?(\.stale)?$")
+"""Names of a run's checkpoints (files, or directories of shards), model exports and their
+``.stale`` renames in its checkpoint directory."""
 
 
 class RunDirectoryInUse(FileExistsError):
@@ -50,7 +53,7 @@ def previous_run_files(output_dir: str) -> List[str]:
     found = [name for name in RUN_FILES if os.path.isfile(os.path.join(output_dir, name))]
     checkpoints = os.path.join(output_dir, "checkpoints")
     if os.path.isdir(checkpoints):
-        names = sorted(n for n in os.listdir(checkpoints) if n.startswith(_CHECKPOINT_PREFIXES) and n.endswith(".pt"))
+        names = sorted(name for name in os.listdir(checkpoints) if RUN_ENTRY.match(name))
         found += [f"checkpoints/{name}" for name in names]
     return found
 
@@ -87,8 +90,8 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
 
     Rank zero (the rank that writes) runs :func:`check_output_dir_free` with
     ``checkpointer.continues_existing_run()`` and then ``checkpointer.prepare_run()``; its
-    outcome is broadcast, so every rank raises together instead of waiting in a collective.
-    Call it on every rank.
+    outcome is shared (``strategy.run_on_rank_zero``), so every rank raises together instead
+    of waiting in a collective. Call it on every rank.
 
     Raises:
         RunDirectoryInUse: on rank zero, as raised there; on the other ranks, with its message.
@@ -96,17 +99,9 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
     Example:
         claim_run_directory(args.output_dir, trainer.checkpointer, trainer.backend)
     """
-    error = None
-    if backend.is_main_process:
-        try:
-            check_output_dir_free(output_dir, checkpointer.continues_existing_run())
-            checkpointer.prepare_run()
-        except Exception as caught:  # re-raised below, after the other ranks learn about it
-            error = caught
-    if backend.world_size > 1:
-        failure = backend.broadcast_object(None if error is None else (isinstance(error, RunDirectoryInUse), str(error)))
-        if error is None and failure is not None:
-            in_use, message = failure
-            raise (RunDirectoryInUse if in_use else RuntimeError)(f"rank zero refused to start the run: {message}")
-    if error is not None:
-        raise error
+
+    def claim() -> None:
+        check_output_dir_free(output_dir, checkpointer.continues_existing_run())
+        checkpointer.prepare_run()
+
+    backend.strategy.run_on_rank_zero(claim, "refused to start the run", share_as=(RunDirectoryInUse,))

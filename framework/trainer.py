@@ -16,7 +16,7 @@ from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer
-from framework.checkpoint.sharded import default_checkpointer
+from framework.checkpoint.default import default_checkpointer
 from framework.config import resolved_config
 from framework.evaluation import Evaluator
 from framework.evaluation_weights import best_checkpoint_url, load_evaluation_weights
@@ -115,7 +115,7 @@ class Trainer(TrainerCheckpoints):
         except Exception:
             self.backend.teardown()
             raise
-        self.checkpointer = default_checkpointer(  # a ShardedCheckpointer under fsdp
+        self.checkpointer = default_checkpointer(  # writes and reads through the strategy
             self.backend.strategy, checkpointer, args.checkpointer_args, default_dir=os.path.join(args.output_dir, "checkpoints")
         )
         self.callbacks: List[Callback] = with_default_callbacks(callbacks, args)  # + ModelSummary, ProgressBar

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from backends import TrainerBackend
+from backends import TrainerBackend, map_tensors
 from framework import checks
 from framework.arguments import TrainerArguments
 from framework.callbacks.base import Callback
@@ -84,9 +84,9 @@ class TrainerCheckpoints:
         """Save module, trainer and backend state now (or, with ``force=False``, if ``index`` is due).
 
         Call it on every rank, at an optimizer-step boundary (e.g. from ``on_end_optimizer_step``)
-        for an exact resume. Every rank builds the state (RNG states are gathered); after a
-        barrier rank zero writes, and its result (where it went, or its error) is broadcast,
-        so every rank waits for the save and every rank raises if it failed.
+        for an exact resume. Every rank builds the state (RNG states are gathered) and hands it
+        to the checkpointer, which writes through the strategy (one file from rank zero, or
+        shards from every rank); every rank raises if the save failed on any rank.
         Returns where the checkpoint went, or None when it was not due.
         """
         step = self.global_steps_finished
@@ -95,22 +95,7 @@ class TrainerCheckpoints:
             position.skip_save(step)  # a checkpoint no later run could resume
             return None
         checkpoint = self._current_checkpoint()
-        if self.checkpointer.saves_on_every_rank:  # sharded: every rank writes its shards (errors are agreed)
-            return self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
-        self.backend.barrier()
-        location, error = None, None
-        if self.is_main_process:
-            try:
-                location = self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
-            except Exception as caught:  # re-raised below, after the other ranks learn about it
-                error = caught
-        failure = None if error is None else f"{type(error).__name__}: {error}"
-        location, failure = self.backend.broadcast_object((location, failure))  # the barrier after the save
-        if error is None and failure is not None:
-            raise RuntimeError(f"rank zero failed to save a checkpoint: {failure}")
-        if error is not None:
-            raise error
-        return location
+        return self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
 
     def _current_checkpoint(self) -> Checkpoint:
         """The run's state now (collective under DDP: call on every rank)."""
@@ -128,12 +113,11 @@ class TrainerCheckpoints:
 
     def save_model_checkpoint(self) -> Optional[str]:
         """Write the module's full weights alone (for inference), on rank zero (call on every rank)."""
-        location = None
-        state = self.backend.strategy.unsharded(self.module.get_state())  # fsdp: gathered from the shards
-        if self.is_main_process:
-            location = self.checkpointer.save_model(state, self.global_steps_finished)
-        self.backend.barrier()
-        return location
+        strategy = self.backend.strategy
+        state = strategy.unsharded(self.module.get_state())  # fsdp: gathered from the shards
+        step = self.global_steps_finished
+        location = strategy.run_on_rank_zero(lambda: self.checkpointer.save_model(state, step), "failed to export the model")
+        return location if self.is_main_process else None
 
     def _restore_checkpoint(self) -> None:
         checkpoint = self.checkpointer.load_into(self._current_checkpoint, self.optimizers)  # sharded: in place
@@ -149,7 +133,7 @@ class TrainerCheckpoints:
         if checkpoint is None:
             return
         with checks.naming_missing_keys(path, "module state"):
-            self.module.update_state(checkpoint.module_state)
+            self.module.update_state({**checkpoint.module_state, **self._own_module_state(checkpoint.trainer_state)})
         if self.checkpointer.restores_model_only():  # reset_optimizers_schedulers: weights only
             return
         checks.check_optimizer_state_compatible(checkpoint.trainer_state, self.optimizers, self.schedulers, path)
@@ -158,15 +142,27 @@ class TrainerCheckpoints:
             self.backend.update_state(checkpoint.backend_state)
             self.update_state(checkpoint.trainer_state)
 
+    def _own_module_state(self, trainer_state: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's entries of the module's ``get_state()`` besides its weights (``"model"``),
+        as saved by rank (``rank % saved world size`` on another world size); empty for
+        checkpoints written before they were saved per rank."""
+        ranks = trainer_state.get("ranks") if isinstance(trainer_state, dict) else None
+        if not ranks:
+            return {}
+        return dict(ranks[self.backend.rank % len(ranks)].get("module", {}))
+
     def get_state(self) -> Dict[str, Any]:
         """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
-        schedulers, callbacks, history, and per rank: RNG states, running losses, logged values.
+        schedulers, callbacks, history, and per rank: RNG states, running losses, logged values,
+        the loader's or dataset's ``state_dict()``, and the module's ``get_state()`` entries other
+        than ``"model"`` (the user's own state, e.g. a replay buffer: each rank restores its own).
         Collective under DDP (the per-rank part is gathered): call it on every rank."""
         rank_local = {  # differs between ranks: gathered, each rank restores its own
             "rng": capture_rng_state(),
             **self.losses.state_dict(),
             "logged_values": self._metrics.state_dict(),
             "loader": None if self._loader_position is None else self._loader_position.state_dict(),
+            "module": map_tensors({key: value for key, value in self.module.get_state().items() if key != "model"}, _to_cpu),
         }
         return {
             RUN_ID_KEY: self.run_id,
@@ -189,8 +185,8 @@ class TrainerCheckpoints:
         ranks = state["ranks"]
         if len(ranks) != world_size:
             logger.warning(
-                "checkpoint written by %d ranks, resumed on %d: RNG streams and running losses are taken from "
-                "rank (this rank mod %d)",
+                "checkpoint written by %d ranks, resumed on %d: RNG streams, running losses, loader state and the "
+                "module's per-rank state are taken from rank (this rank mod %d)",
                 len(ranks),
                 world_size,
                 len(ranks),
@@ -217,3 +213,7 @@ class TrainerCheckpoints:
         self.checkpointer.update_state(state.get("checkpointer", {}))
         self.history.load_state_dict(state["history"])
         self.loggers.load_state_dict(state.get("loggers", {}))
+
+
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu()

@@ -17,7 +17,6 @@ from distributed import run_ranks
 from tiny_transformer import TinyTransformer
 
 from framework import Trainer, TrainerArguments
-from framework.checkpoint import DefaultCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
 EPOCHS, STEPS_PER_EPOCH = 2, 4  # 64 samples / global batch 16
@@ -126,7 +125,7 @@ def test_each_rank_holds_half_of_parameters_and_optimizer_state(runs):
         for local, total in (result["parameters"], result["optimizer_state"]):
             assert abs(local - total / 2) <= 0.05 * total, (local, total)
     assert sum(r["parameters"][0] for r in ranks) >= ranks[0]["parameters"][1]  # together: everything (padding aside)
-    assert ranks[0]["checkpointer"] == "ShardedCheckpointer"
+    assert ranks[0]["checkpointer"] == "DefaultCheckpointer"  # one checkpointer; the strategy writes shards
 
 
 @pytest.mark.distributed
@@ -196,11 +195,6 @@ def test_incomplete_or_damaged_sharded_checkpoint_falls_back_with_a_warning(tmp_
     assert trainer.checkpointer.loaded_from.endswith(f"checkpoint-{1:09d}")
     skipped = [message for message in collect.messages if "was skipped" in message]
     assert len(skipped) == 2 and "no .complete marker" in skipped[0] and "truncated" in skipped[1]
-
-
-def test_a_rank_zero_checkpointer_is_refused_under_fsdp(tmp_path):
-    with pytest.raises(ValueError, match="ShardedCheckpointer"):
-        Trainer(TinyTransformer(), arguments("fsdp", str(tmp_path)), checkpointer=DefaultCheckpointer())
 
 
 def test_compile_matches_eager(tmp_path):

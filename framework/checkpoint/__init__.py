@@ -5,7 +5,6 @@ from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.checkpoint import Checkpoint
 from framework.checkpoint.default import DefaultCheckpointer
-from framework.checkpoint.sharded import ShardedCheckpointer
 from framework.checkpoint.storage import CheckpointRefused, CheckpointWriteError, CorruptCheckpoint
 from framework.checkpoint.weights import load_weights
 from framework.run_directory import RunDirectoryInUse
@@ -19,6 +18,5 @@ __all__ = [
     "DefaultCheckpointer",
     "DefaultCheckpointerArguments",
     "RunDirectoryInUse",
-    "ShardedCheckpointer",
     "load_weights",
 ]

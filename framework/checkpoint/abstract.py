@@ -5,17 +5,20 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
+from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint.checkpoint import Checkpoint
 
 
 class AbstractCheckpointer(abc.ABC):
     """Decides when checkpoints are written, where they go and which one a run resumes from.
 
-    The trainer calls :meth:`prepare_run` once on rank zero before anything is written, then
-    :meth:`load` once before training; :meth:`save` at every epoch end (``index`` = epochs
-    finished) and, with ``force=True``, on demand, at step triggers and at the end. Only rank
-    zero calls :meth:`save`, between barriers that every rank waits at; every rank calls
-    :meth:`load` (all must get the same checkpoint).
+    The trainer hands it the strategy (:meth:`setup`), calls :meth:`prepare_run` once on rank
+    zero before anything is written, then :meth:`load_into` once before training; :meth:`save`
+    at every epoch end (``index`` = epochs finished) and, with ``force=True``, on demand, at
+    step triggers and at the end. Every rank calls :meth:`save` and :meth:`load_into`, with the
+    same arguments: the files themselves are written and read through
+    ``self.strategy.save_checkpoint`` / ``load_checkpoint`` (one file from rank zero, or shards
+    from every rank), so a checkpointer holds policy only and works on every backend.
 
     Example:
         >>> class InMemory(AbstractCheckpointer):
@@ -29,9 +32,12 @@ class AbstractCheckpointer(abc.ABC):
         ...         return self.saved[max(self.saved)] if self.saved else None
     """
 
-    saves_on_every_rank = False
-    """False: the trainer calls :meth:`save` on rank zero only. True: on every rank (sharded
-    checkpoints, where each rank writes its own shards); the checkpointer then agrees on errors."""
+    strategy: Strategy = SingleProcess()
+    """Where the run's processes are (set by :meth:`setup`; one process until then)."""
+
+    def setup(self, strategy: Strategy) -> None:
+        """Told once, by the trainer, which strategy writes and reads the checkpoints."""
+        self.strategy = strategy
 
     @abc.abstractmethod
     def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
@@ -48,8 +54,8 @@ class AbstractCheckpointer(abc.ABC):
     def load_into(self, current: Callable[[], Checkpoint], optimizers: Sequence[torch.optim.Optimizer]) -> Optional[Checkpoint]:
         """What the trainer calls to resume (on every rank): by default :meth:`load`.
 
-        A sharded checkpointer reads each rank's shards into the tensors of ``current()`` (this
-        run's state in its own sharding) instead, creating ``optimizers``' state first.
+        :class:`DefaultCheckpointer` reads through the strategy into the tensors of ``current()``
+        (this run's state, in its own sharding under ``fsdp``), creating ``optimizers``' state first.
         """
         return self.load()
 

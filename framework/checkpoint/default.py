@@ -1,37 +1,40 @@
-"""DefaultCheckpointer: atomic checkpoint files in any fsspec directory, with retention."""
+"""DefaultCheckpointer: when and where checkpoints are written, which are kept, which one a run
+resumes from, for every backend (the strategy writes and reads each checkpoint)."""
 
 import collections
 import logging
 import re
 import threading
 import time
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint import storage
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.async_writer import BackgroundWriter
 from framework.checkpoint.checkpoint import Checkpoint
+from framework.checkpoint.file_io import FileIO
 from framework.checkpoint.finite import best_first, first_non_finite_tensor, is_finite_score
 from framework.checkpoint.plan import describe_checkpointing
-from framework.run_directory import RunDirectoryInUse, ways_on
+from framework.run_directory import RUN_ENTRY, RunDirectoryInUse, ways_on
 
 logger = logging.getLogger(__name__)
 
 STALE_SUFFIX = ".stale"
 """Checkpoints newer than the one a resumed run writes are renamed ``<name>.stale`` (see ``save``)."""
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)(\.pt)?$")  # a file, or a directory of shards
 _TEMPORARY = r"\.pt\.[0-9a-f]+" + re.escape(storage.TEMPORARY_SUFFIX) + "$"
 _CHECKPOINT_TEMPORARY = re.compile(r"^\.checkpoint-\d+" + _TEMPORARY)
-_ANY_TEMPORARY = re.compile(r"^\.(checkpoint|model)-\d+" + _TEMPORARY)
-_RUN_FILE = re.compile(r"^(checkpoint|model)-\d+\.pt(" + re.escape(STALE_SUFFIX) + ")?$")
+_ANY_TEMPORARY = re.compile(r"^\.(checkpoint|model)-\d+(" + _TEMPORARY + r"|\.partial$)")  # files; sharded: directories
 
 
-def checkpoint_name(global_step: int) -> str:
-    """File name of the checkpoint taken after ``global_step`` optimizer steps."""
-    return f"checkpoint-{global_step:09d}.pt"
+def checkpoint_name(global_step: int, suffix: str = ".pt") -> str:
+    """Name of the checkpoint taken after ``global_step`` optimizer steps (``suffix``: the
+    strategy's ``checkpoint_suffix``; ``""`` names a directory of shards)."""
+    return f"checkpoint-{global_step:09d}{suffix}"
 
 
 def model_name(index: int) -> str:
@@ -131,22 +134,28 @@ class StagingBuffers:
 
 
 class DefaultCheckpointer(AbstractCheckpointer):
-    """Writes ``checkpoint-<step>.pt`` files into a local directory or any fsspec URL.
+    """Saves ``checkpoint-<step>`` into a local directory or any fsspec URL, keeps the newest
+    and the best, and resumes from the newest that reads back, on every backend.
 
-    Saving: every file is written to a temporary name and moved into place, so a crash
-    never leaves a partial file under a checkpoint name (see :mod:`framework.checkpoint.storage`).
-    With ``async_save`` the state is copied to CPU memory on the calling thread (into buffers
-    kept from the previous save) and written on a background thread of lowered priority, one
-    save at a time; a failed background write is raised by the next :meth:`save` or by
-    :meth:`wait`.
+    The strategy writes and reads each checkpoint (``sp``/``ddp``: one file
+    ``checkpoint-<step>.pt`` from rank zero; ``fsdp``: a directory ``checkpoint-<step>/`` of
+    shards from every rank, see :mod:`backends.sharded_checkpoint`); this class decides the
+    rest, the same way for all of them:
+
+    Saving: every file is written to a temporary name (a sharded checkpoint to a ``.partial``
+    directory) and moved into place, so a crash never leaves a partial checkpoint under a
+    checkpoint name (see :mod:`framework.checkpoint.storage`). With ``async_save`` the state is
+    copied to CPU memory on the calling thread (into buffers kept from the previous save) and
+    written on a background thread of lowered priority, one save at a time; a failed
+    background write is raised, on every rank, by the next :meth:`save` (or by :meth:`wait`).
 
     One run per directory: :meth:`prepare_run` (called by the trainer at setup, else by the
-    first save) refuses a ``save_dir`` holding checkpoints of a run this one does not continue
-    (:meth:`continues_existing_run`), so a new run never overwrites, deletes or renames
-    another run's files.
+    first save) refuses a ``save_dir`` holding checkpoints (files or directories) of a run this
+    one does not continue (:meth:`continues_existing_run`), so a new run never overwrites,
+    deletes or renames another run's files.
 
-    A checkpoint whose weights or ``metric`` hold NaN/inf is not written (a warning names the
-    step) unless ``save_non_finite``.
+    A checkpoint whose weights (on any rank's shard) or ``metric`` hold NaN/inf is not written
+    (a warning names the step) unless ``save_non_finite``.
 
     Retention runs after each write: checkpoints with a higher step than the one just
     written come from this run's own earlier attempt, later resumed from an older checkpoint,
@@ -157,9 +166,10 @@ class DefaultCheckpointer(AbstractCheckpointer):
     never "best".
 
     Loading (:meth:`load`) takes the newest checkpoint that reads back: a truncated or
-    damaged newer file is reported (path and reason, a logged warning) and skipped. A file
-    that ``weights_only`` refuses, and a storage error that persists over retries, stop the
-    load instead.
+    damaged newer one (a short file, a missing shard, an index that is not the one written
+    with it) is reported (path and reason, a logged warning) and skipped. A file that
+    ``weights_only`` refuses, and a storage error that persists over retries, stop the load
+    instead.
 
     Args:
         args: where, when and how many (see :class:`DefaultCheckpointerArguments`).
@@ -184,6 +194,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
         self._lock = threading.Lock()  # _scores is changed by the training and the writer thread
         self._writer = BackgroundWriter()
         self._staging = StagingBuffers()
+        self._io = FileIO(serialize=self.serialize, weights_only=self.args.weights_only, stage=self._staging.copy)
         self.loaded_from: Optional[str] = None
         """URL of the checkpoint the last :meth:`load` returned."""
         self.resumed_own_run = False
@@ -199,28 +210,26 @@ class DefaultCheckpointer(AbstractCheckpointer):
         if args.load_dir and storage.same_location(args.load_dir, self.save_dir):
             return True
         if args.load_filename:
-            parent = args.load_filename.rsplit("/", 1)[0] if "/" in args.load_filename else "."
-            return storage.same_location(parent, self.save_dir)
+            return storage.same_location(loaded_directory(args.load_filename), self.save_dir)
         return False
 
     def prepare_run(self) -> None:
-        """Refuse a ``save_dir`` holding another run's checkpoints; remove leftover temporary files.
+        """Refuse a ``save_dir`` holding another run's checkpoints; remove leftovers of killed saves.
 
-        Runs once (the trainer calls it at setup; otherwise the first :meth:`save` or
-        :meth:`save_model` does). Checkpoints, model exports and ``.stale`` files in ``save_dir``
-        belong to another run unless :meth:`continues_existing_run`.
+        Runs once, on rank zero (the trainer calls it at setup; otherwise the first :meth:`save`
+        or :meth:`save_model` does). Checkpoints (files or directories), model exports and
+        ``.stale`` ones in ``save_dir`` belong to another run unless :meth:`continues_existing_run`.
 
         Raises:
-            RunDirectoryInUse: ``save_dir`` holds such files and this run does not continue them.
+            RunDirectoryInUse: ``save_dir`` holds such checkpoints and this run does not continue them.
         """
         if self._prepared:
             return
-        files = storage.list_files(self._fs, self._dir)
-        names = sorted(_basename(path) for path in files)
+        entries = storage.list_entries(self._fs, self._dir)
         if not self.continues_existing_run():
-            taken = [name for name in names if _RUN_FILE.match(name)]
+            taken = sorted(_basename(path) for path in entries if RUN_ENTRY.match(_basename(path)))
             if taken:
-                shown = ", ".join(taken[:4]) + (f", ... ({len(taken)} files)" if len(taken) > 4 else "")
+                shown = ", ".join(taken[:4]) + (f", ... ({len(taken)} checkpoints)" if len(taken) > 4 else "")
                 where = (
                     "output_dir (--trainer.output_dir)" if self.args.save_dir is None else "save_dir (--checkpointer.save_dir)"
                 )
@@ -228,10 +237,10 @@ class DefaultCheckpointer(AbstractCheckpointer):
                     f"save_dir {self.save_dir!r} already holds checkpoints of another run ({shown}) and this run does "
                     f"not resume it, so it would overwrite them; {ways_on(where)}"
                 )
-        for path in files:
+        for path in entries:
             if _ANY_TEMPORARY.match(_basename(path)):  # left by a process killed while saving
                 logger.info("removing %s, left by a save that did not finish", self._fs.unstrip_protocol(path))
-                self._fs.rm(path)
+                self._fs.rm(path, recursive=True)
         self._prepared = True
 
     # -- saving ---------------------------------------------------------------------
@@ -240,66 +249,93 @@ class DefaultCheckpointer(AbstractCheckpointer):
         torch.save(obj, handle)
 
     def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
+        """Write ``checkpoint`` if ``index`` is due (or ``force``); return where it went, or None
+        when it was not due or not written (NaN). Call on every rank, with the same arguments:
+        every rank raises when the write failed on any rank."""
         if not force and not self.is_epoch_save_due(index):
             return None
-        self.prepare_run()
-        name = checkpoint_name(checkpoint.global_step)
-        score = checkpoint.metrics.get(self.args.metric)
-        busy_since = time.perf_counter() if self._writer.busy else None
-        self._writer.wait()  # one save in flight at most; raises an earlier background failure
-        if busy_since is not None and time.perf_counter() - busy_since > 0.5:
-            logger.info(
-                "checkpoint save waited %.1f s for the previous background write; save less often to avoid the wait",
-                time.perf_counter() - busy_since,
-            )
+        strategy = self.strategy
+        if strategy.is_main_process:
+            self.prepare_run()
+        name = checkpoint_name(checkpoint.global_step, strategy.checkpoint_suffix)
+        self._wait_on_every_rank()  # one save in flight at most
         problem = None if self.args.save_non_finite else self._non_finite(checkpoint)
-        if problem is not None:
+        problems = [(rank, found) for rank, found in enumerate(strategy.all_gather_object(problem)) if found]
+        if problems:
+            rank, found = problems[0]
+            where = "" if strategy.world_size == 1 else f" on rank {rank}"
             logger.warning(
-                "checkpoint at step %d not written: %s; the checkpoints before it are kept as they are "
+                "checkpoint at step %d not written: %s%s; the checkpoints before it are kept as they are "
                 "(checkpointer_args.save_non_finite=True writes such checkpoints)",
                 checkpoint.global_step,
-                problem,
+                found,
+                where,
             )
             return None
+        score = checkpoint.metrics.get(self.args.metric)
         with self._lock:
             if score is not None:
                 self._scores[name] = float(score)
             else:
                 self._scores.pop(name, None)
-        data = checkpoint.to_dict()
+        write = strategy.save_checkpoint(self._url(name), checkpoint.to_dict(), self._io, copy=self.args.async_save)
+
+        def job() -> None:
+            try:
+                write()
+            except BaseException:
+                with self._lock:
+                    self._scores.pop(name, None)
+                raise
+            if strategy.is_main_process:
+                logger.debug("wrote checkpoint %s", self._url(name))
+                self._apply_retention(checkpoint.global_step)
+
         if self.args.async_save:
-            data = self._staging.copy(data)  # on this (the training) thread: training may change the originals next
-            self._writer.submit(lambda: self._write(name, checkpoint.global_step, data))
+            self._writer.submit(job)
         else:
-            self._write(name, checkpoint.global_step, data)
+            error = None
+            try:
+                job()
+            except Exception as caught:  # raised on every rank below
+                error = caught
+            strategy.raise_if_any_failed(error, "save a checkpoint")
         return self._url(name)
 
+    def _wait_on_every_rank(self) -> None:
+        """Wait for the save in flight; if it failed on any rank, raise on every rank."""
+        busy_since = time.perf_counter() if self._writer.busy else None
+        error = None
+        try:
+            self._writer.wait()
+        except Exception as caught:
+            error = caught
+        if busy_since is not None and time.perf_counter() - busy_since > 0.5:
+            logger.info(
+                "checkpoint save waited %.1f s for the previous background write; save less often to avoid the wait",
+                time.perf_counter() - busy_since,
+            )
+        if self.args.async_save:
+            self.strategy.raise_if_any_failed(error, "write a checkpoint in the background")
+        elif error is not None:
+            raise error
+
     def _non_finite(self, checkpoint: Checkpoint) -> Optional[str]:
-        """What in ``checkpoint`` is NaN/inf (the monitored metric, then the weights), or None."""
+        """What in ``checkpoint`` is NaN/inf (the monitored metric, then this rank's weights), or None."""
         score = checkpoint.metrics.get(self.args.metric)
         if score is not None and not is_finite_score(score):
             return f"its {self.args.metric} is {score}"
-        tensor = first_non_finite_tensor(checkpoint.module_state)
+        tensor = first_non_finite_tensor(self.strategy.local_shards(checkpoint.module_state))
         if tensor is not None:
             return f"its weights hold NaN or inf (module state {tensor!r})"
         return None
 
-    def _write(self, name: str, global_step: int, data: Dict[str, Any]) -> None:
-        try:
-            storage.write_atomically(self._fs, storage.join(self._dir, name), data, serializer=self.serialize)
-        except BaseException:
-            with self._lock:
-                self._scores.pop(name, None)
-            raise
-        logger.debug("wrote checkpoint %s", self._url(name))
-        self._apply_retention(global_step)
-
     def save_model(self, state: Dict[str, Any], index: int) -> Optional[str]:
-        """Write ``state`` (the module's weights) to ``model-<index>.pt``; load it with
-        ``torch.load(path, weights_only=True)``. Model exports are never removed by retention."""
+        """Write ``state`` (the module's full weights) to ``model-<index>.pt`` (call on rank zero);
+        load it with ``torch.load(path, weights_only=True)``. Model exports are never removed by retention."""
         self.prepare_run()
         name = model_name(index)
-        storage.write_atomically(self._fs, storage.join(self._dir, name), copy_to_cpu(state), serializer=self.serialize)
+        self._io.write(self._url(name), copy_to_cpu(state))
         return self._url(name)
 
     def is_epoch_save_due(self, epochs_finished: int) -> bool:
@@ -319,17 +355,13 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
     # -- retention ------------------------------------------------------------------
     def _checkpoint_entries(self, fs: Any, directory: str) -> List[Tuple[int, str]]:
-        """``(step, path)`` of the checkpoint files in ``directory``, newest (highest step) first."""
+        """``(step, path)`` of the checkpoints (files or directories) in ``directory``, newest first."""
         named = []
-        for path in storage.list_files(fs, directory):
-            match = _CHECKPOINT_NAME.match(path.rsplit("/", 1)[-1])
+        for path in storage.list_entries(fs, directory):
+            match = _CHECKPOINT_NAME.match(_basename(path))
             if match:
                 named.append((int(match.group(1)), path))
         return sorted(named, reverse=True)
-
-    def _checkpoint_files(self, directory: str) -> List[str]:
-        """Checkpoint paths in ``directory`` (of ``save_dir``'s filesystem), newest first."""
-        return [path for _, path in self._checkpoint_entries(self._fs, directory)]
 
     def _apply_retention(self, written_step: int) -> None:
         entries = self._checkpoint_entries(self._fs, self._dir)
@@ -341,12 +373,12 @@ class DefaultCheckpointer(AbstractCheckpointer):
                     self._fs.unstrip_protocol(path),
                     step,
                     written_step,
-                    path.rsplit("/", 1)[-1] + STALE_SUFFIX,
+                    _basename(path) + STALE_SUFFIX,
                 )
-                self._move_checkpoint(path, path + STALE_SUFFIX)
+                self._fs.mv(path, path + STALE_SUFFIX, recursive=True)
         paths = [path for step, path in entries if step <= written_step]
         for path in storage.list_files(self._fs, self._dir):
-            if _CHECKPOINT_TEMPORARY.match(path.rsplit("/", 1)[-1]):  # left by a process killed while saving
+            if _CHECKPOINT_TEMPORARY.match(_basename(path)):  # left by a process killed while saving
                 self._fs.rm(path)
         if self.args.keep_last_n is None:
             return
@@ -358,16 +390,8 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 keep.update(present[name] for name in best_first(scores, self.args.mode)[: self.args.keep_best_n])
             for path in paths:
                 if path not in keep:
-                    self._remove_checkpoint(path)
+                    self._fs.rm(path, recursive=True)
                     self._scores.pop(_basename(path), None)
-
-    def _move_checkpoint(self, path: str, target: str) -> None:
-        """Rename one checkpoint (a file here; a directory in a sharded checkpointer)."""
-        self._fs.mv(path, target)
-
-    def _remove_checkpoint(self, path: str) -> None:
-        """Delete one checkpoint (a file here; a directory in a sharded checkpointer)."""
-        self._fs.rm(path)
 
     def best_checkpoint(self) -> Optional[str]:
         """URL of the best checkpoint by ``metric`` among those this run scored (NaN and inf
@@ -378,74 +402,79 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
     # -- loading --------------------------------------------------------------------
     def resume_source(self) -> Optional[str]:
-        """The file or directory a run resumes from, per ``resume``/``load_filename``/``load_dir``.
+        """The checkpoint or directory a run resumes from, per ``resume``/``load_filename``/``load_dir``.
 
         ``resume="auto"`` comes first when ``save_dir`` holds a checkpoint (a restarted run
         continues itself); otherwise ``load_filename``, then ``load_dir``.
         """
-        if self.args.resume == "auto" and self._checkpoint_files(self._dir):
+        if self.args.resume == "auto" and self._checkpoint_entries(self._fs, self._dir):
             return self.save_dir
-        if self.args.load_filename:
-            return self.args.load_filename
-        if self.args.load_dir:
-            return self.args.load_dir
-        return None
+        return self.args.load_filename or self.args.load_dir or None
 
     def load(self) -> Optional[Checkpoint]:
-        """The checkpoint to resume from, or None to start fresh.
+        """The checkpoint to resume from (full tensors, whatever wrote it), or None to start fresh.
 
         Order: with ``resume="auto"``, the newest readable checkpoint in ``save_dir``; else
         ``load_filename``; else the newest readable checkpoint in ``load_dir``.
 
-        Only damaged files (truncated, CRC mismatch) are skipped for an older checkpoint.
+        Only damaged checkpoints (truncated, CRC mismatch, a missing shard, an index that is
+        not the one written with it) are skipped for an older one.
 
         Raises:
             CheckpointRefused: ``weights_only`` refuses a file (pickled objects, blocked modules,
-                bytes before the archive); the run stops, the file is left as it is.
+                bytes before the archive, a sharded index without its digest); the run stops,
+                the file is left as it is.
             OSError: listing or reading failed on every retry (EIO, permission).
-            ValueError: a file is intact but not a checkpoint of this format or version.
+            ValueError: a checkpoint is intact but not of this format or version.
             RuntimeError: the directory holds checkpoints but none of them reads back.
             FileNotFoundError / CorruptCheckpoint: ``load_filename`` is missing or unreadable.
         """
+        return self._load(None, ())
+
+    def load_into(self, current: Callable[[], Checkpoint], optimizers: Sequence[torch.optim.Optimizer]) -> Optional[Checkpoint]:
+        """As :meth:`load`, read through the strategy into ``current()``'s tensors (``fsdp``: each
+        rank its own shards, any world size wrote them); call on every rank."""
+        return self._load(current, optimizers)
+
+    def _load(
+        self, current: Optional[Callable[[], Checkpoint]], optimizers: Sequence[torch.optim.Optimizer]
+    ) -> Optional[Checkpoint]:
         self.loaded_from, self.resumed_own_run = None, False
+
+        def read(url: str) -> Checkpoint:
+            return self._read(url, current, optimizers)
+
         checkpoint: Optional[Checkpoint] = None
         if self.args.resume == "auto":
-            checkpoint = self._load_latest(self.save_dir)
+            checkpoint = self._load_latest(self.save_dir, read)
         if checkpoint is None and self.args.load_filename:
-            checkpoint = self.read(self.args.load_filename)
+            checkpoint = read(self.args.load_filename)
             self.loaded_from = self.args.load_filename
         elif checkpoint is None and self.args.load_dir:
-            checkpoint = self._load_latest(self.args.load_dir)
+            checkpoint = self._load_latest(self.args.load_dir, read)
         if checkpoint is None:
             if self.args.resume == "auto" or self.args.load_dir:
                 logger.info("no checkpoint in %s: starting fresh", self.args.load_dir or self.save_dir)
             return None
-        directory = loaded_directory(self.loaded_from)
-        self.resumed_own_run = storage.same_location(directory, self.save_dir)
+        self.resumed_own_run = storage.same_location(loaded_directory(self.loaded_from), self.save_dir)
         score = checkpoint.metrics.get(self.args.metric)
         if self.resumed_own_run and score is not None:
             with self._lock:
-                self._scores[checkpoint_name(checkpoint.global_step)] = float(score)
+                self._scores[checkpoint_name(checkpoint.global_step, self.strategy.checkpoint_suffix)] = float(score)
         return checkpoint
 
-    def _load_latest(
-        self,
-        source: str,
-        read: Optional[Callable[[str], Checkpoint]] = None,
-        damaged: Tuple[Type[BaseException], ...] = (storage.CorruptCheckpoint,),
-    ) -> Optional[Checkpoint]:
-        """The newest checkpoint in ``source`` that ``read`` (default :meth:`read`) reads back;
-        reports and skips the ``damaged`` ones. A refused file stops the search."""
+    def _load_latest(self, source: str, read: Callable[[str], Checkpoint]) -> Optional[Checkpoint]:
+        """The newest checkpoint in ``source`` that ``read`` reads back; reports and skips the
+        damaged ones. A refused one stops the search."""
         fs, directory = storage.resolve(source)
-        entries = self._checkpoint_entries(fs, directory)
         failures = []
-        for _, path in entries:
+        for _, path in self._checkpoint_entries(fs, directory):
             url = fs.unstrip_protocol(path)
             try:
-                checkpoint = (read or self.read)(url)
+                checkpoint = read(url)
             except storage.CheckpointRefused:
                 raise
-            except damaged as error:  # truncated or damaged: only these fall back
+            except storage.CorruptCheckpoint as error:  # truncated or damaged: only these fall back
                 logger.warning("checkpoint %s is unreadable and was skipped: %s", url, error)
                 failures.append(f"{url}: {error}")
                 continue
@@ -461,12 +490,20 @@ class DefaultCheckpointer(AbstractCheckpointer):
         return None
 
     def read(self, url: str) -> Checkpoint:
-        """Read and check the checkpoint file at ``url`` (path or fsspec URL)."""
-        fs, path = storage.resolve(url)
-        try:
-            data = storage.read(fs, path, weights_only=self.args.weights_only)
-        except FileNotFoundError as error:
-            raise FileNotFoundError(f"checkpoint file {url!r} does not exist") from error
+        """Read and check the checkpoint at ``url`` (path or fsspec URL; a file, or a sharded
+        directory read with full tensors), in this process alone."""
+        return self._read(url, None, ())
+
+    def _read(
+        self, url: str, current: Optional[Callable[[], Checkpoint]], optimizers: Sequence[torch.optim.Optimizer]
+    ) -> Checkpoint:
+        model_only = self.args.reset_optimizers_schedulers and not storage.same_location(loaded_directory(url), self.save_dir)
+        if current is None:  # whole, in this process: no collective
+            data = SingleProcess().load_checkpoint(url, self._io)
+        else:
+            data = self.strategy.load_checkpoint(
+                url, self._io, target=lambda: current().to_dict(), optimizers=() if model_only else optimizers
+            )
         try:
             checkpoint = Checkpoint.from_dict(data)
         except ValueError as error:
@@ -501,12 +538,22 @@ class DefaultCheckpointer(AbstractCheckpointer):
             self._scores.update(state.get("scores", {}))
 
 
+def default_checkpointer(
+    strategy: Strategy, given: Optional[AbstractCheckpointer], args: DefaultCheckpointerArguments, default_dir: str
+) -> AbstractCheckpointer:
+    """The checkpointer a trainer uses (``given``, else a :class:`DefaultCheckpointer` from
+    ``args``), told which strategy writes and reads its checkpoints."""
+    checkpointer = given if given is not None else DefaultCheckpointer(args, default_dir=default_dir)
+    checkpointer.setup(strategy)
+    return checkpointer
+
+
 def _basename(path: str) -> str:
-    return path.rsplit("/", 1)[-1]
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def loaded_directory(loaded_from: Optional[str]) -> str:
-    """The directory of the checkpoint (file or sharded directory) just loaded from ``loaded_from``."""
+    """The directory of the checkpoint (file or sharded directory) at ``loaded_from``."""
     if loaded_from is None:
         raise RuntimeError("a checkpoint was loaded without recording where from")
     path = loaded_from.rstrip("/")

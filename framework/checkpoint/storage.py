@@ -31,6 +31,8 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
+from backends.checkpoint_io import CheckpointRefused as CheckpointRefused  # defined beside the strategies' IO
+from backends.checkpoint_io import CorruptCheckpoint as CorruptCheckpoint
 from framework.checkpoint import safe_types  # noqa: F401 - allows numpy and random values in user state
 
 logger = logging.getLogger(__name__)
@@ -49,23 +51,6 @@ _NOT_TRANSIENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError, File
 
 Serializer = Callable[[Any, IO[bytes]], None]
 T = TypeVar("T")
-
-
-class CheckpointRefused(ValueError):
-    """A checkpoint that ``weights_only`` loading refuses to unpickle (pickled objects, blocked
-    modules such as ``posix.system``, bytes before the zip archive). It stops the run with the
-    file named; it is never treated as damaged and never skipped for an older checkpoint.
-
-    Example:
-        >>> raise CheckpointRefused("runs/x/checkpoint-000000003.pt holds pickled Python objects ...")
-        Traceback (most recent call last):
-        ...
-        framework.checkpoint.storage.CheckpointRefused: runs/x/checkpoint-000000003.pt holds pickled Python objects ...
-    """
-
-
-class CorruptCheckpoint(ValueError):
-    """A checkpoint file is truncated or damaged (the reason names what failed)."""
 
 
 class CheckpointWriteError(OSError):
@@ -316,6 +301,12 @@ def _refusal_detail(message: str) -> str:
     return informative[0] if informative else ""
 
 
+def list_entries(fs: fsspec.AbstractFileSystem, directory: str) -> List[str]:
+    """Paths of the files and directories in ``directory`` (empty when it does not exist), as
+    :func:`list_files` (never cached, retried)."""
+    return _list(fs, directory, ("file", "directory"))
+
+
 def list_files(fs: fsspec.AbstractFileSystem, directory: str) -> List[str]:
     """Paths of the plain files in ``directory`` (empty when it does not exist); never a cached listing.
 
@@ -323,12 +314,16 @@ def list_files(fs: fsspec.AbstractFileSystem, directory: str) -> List[str]:
     directory that cannot be listed is never taken for an empty one.
     """
 
+    return _list(fs, directory, ("file",))
+
+
+def _list(fs: fsspec.AbstractFileSystem, directory: str, types: Tuple[str, ...]) -> List[str]:
     def attempt() -> List[str]:
         fs.invalidate_cache(directory)
         try:
             entries = fs.ls(directory, detail=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return [entry["name"] for entry in entries if entry.get("type") == "file"]
+        return [entry["name"].rstrip("/") for entry in entries if entry.get("type") in types]
 
     return with_retries(attempt, f"listing checkpoints in {display(fs, directory)}")

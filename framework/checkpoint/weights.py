@@ -5,10 +5,13 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
+from backends.checkpoint_io import SHARDED_NAME
+from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint import storage
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.checkpoint import FORMAT_NAME, Checkpoint
 from framework.checkpoint.default import DefaultCheckpointer, checkpoint_name
+from framework.checkpoint.file_io import FileIO
 from framework.checkpoint.safetensors_io import is_safetensors, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -23,19 +26,25 @@ def load_weights(
     metric: str = "val_loss",
     mode: str = "min",
     weights_only: bool = True,
+    strategy: Optional[Strategy] = None,
 ) -> str:
     """Load the weights of a saved run into ``module`` (e.g. to evaluate or predict) and return
     the checkpoint's URL.
 
-    ``path_or_dir`` is a checkpoint file (``checkpoint-*.pt`` or a ``model-*.pt`` export from
-    ``Trainer.save_model_checkpoint``), a ``.safetensors`` file or sharded ``.safetensors.index.json``
-    (``Trainer.export_weights``; a strict ``load_state_dict``), or a checkpoint directory (local path or fsspec URL),
-    in which ``step`` picks:
+    ``path_or_dir`` is a checkpoint (a ``checkpoint-*.pt`` file, a ``checkpoint-<step>/``
+    directory of shards written under ``fsdp``, or a ``model-*.pt`` export from
+    ``Trainer.save_model_checkpoint``), a ``.safetensors`` file or sharded
+    ``.safetensors.index.json`` (``Trainer.export_weights``; a strict ``load_state_dict``), or a
+    directory of checkpoints (local path or fsspec URL), in which ``step`` picks:
 
     - ``"last"``: the newest checkpoint that reads back (a damaged newer one is skipped, as on resume);
     - ``"best"``: the one whose ``metric`` value, as recorded in the run's history at its step,
       is lowest (``mode="min"``) or highest (``mode="max"``);
     - an ``int``: the checkpoint taken after that many optimizer steps.
+
+    Without ``strategy`` the full weights are read in this process alone (sharded ones too: no
+    process group is needed). With one (the trainer's, on every rank), the strategy reads
+    them into ``module``'s own tensors (``fsdp``: each rank its shards).
 
     A :class:`~framework.ModuleInterface` is restored with its ``update_state``; any other
     ``torch.nn.Module`` gets the saved ``state_dict``. The module is left on its device, in
@@ -50,60 +59,88 @@ def load_weights(
         load_weights(module, "outputs/checkpoints", step="best")
         module.eval()
     """
-    if not (step in ("last", "best") or (isinstance(step, int) and not isinstance(step, bool) and step >= 0)):
-        raise ValueError(f"step={step!r} is invalid; allowed: 'last', 'best' or an optimizer step (an integer >= 0)")
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode={mode!r} is invalid; allowed: 'min', 'max'")
     if is_safetensors(path_or_dir):  # a .safetensors file or a sharded index: the module's state_dict
         url, tensors = load_safetensors(path_or_dir)
         module.load_state_dict(tensors)
         logger.info("loaded weights from %s", url)
         return url
-    fs, path = storage.resolve(path_or_dir)
-    if fs.isfile(path):
-        url, state = fs.unstrip_protocol(path), _read_module_state(fs, path, weights_only)
-    elif not fs.isdir(path):
-        raise FileNotFoundError(f"{path_or_dir!r} is neither a checkpoint file nor a directory")
+    url = resolve_checkpoint(path_or_dir, step, metric, mode, weights_only)
+    io = FileIO(weights_only=weights_only)
+    if strategy is None:
+        state = _module_state(SingleProcess().load_checkpoint(url, io))
     else:
-        url, state = _from_directory(path_or_dir, step, metric, mode, weights_only)
+        data = strategy.load_checkpoint(url, io, target=lambda: {"module": _state_of(module), "trainer": {}})
+        state = _module_state(data)
     _apply(module, state, url)
     logger.info("loaded weights from %s", url)
     return url
 
 
-def _read_module_state(fs: Any, path: str, weights_only: bool) -> Dict[str, Any]:
-    data = storage.read(fs, path, weights_only=weights_only)
+def resolve_checkpoint(
+    path_or_dir: str, step: Step = "last", metric: str = "val_loss", mode: str = "min", weights_only: bool = True
+) -> str:
+    """The URL of the checkpoint :func:`load_weights` would load (same arguments); a directory of
+    checkpoints is searched (and its candidates read) in this process alone."""
+    if not (step in ("last", "best") or (isinstance(step, int) and not isinstance(step, bool) and step >= 0)):
+        raise ValueError(f"step={step!r} is invalid; allowed: 'last', 'best' or an optimizer step (an integer >= 0)")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode={mode!r} is invalid; allowed: 'min', 'max'")
+    fs, path = storage.resolve(path_or_dir)
+    if fs.isfile(path) or (fs.isdir(path) and SHARDED_NAME.match(path.rstrip("/").rsplit("/", 1)[-1])):
+        return fs.unstrip_protocol(path)
+    if not fs.isdir(path):
+        raise FileNotFoundError(f"{path_or_dir!r} is neither a checkpoint nor a directory")
+    return _from_directory(path_or_dir, step, metric, mode, weights_only)
+
+
+def _state_of(module: torch.nn.Module) -> Dict[str, Any]:
+    get_state = getattr(module, "get_state", None)
+    return get_state() if callable(get_state) else {"model": module.state_dict()}
+
+
+def _module_state(data: Any) -> Dict[str, Any]:
     if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
         return Checkpoint.from_dict(data).module_state
     return data  # a model export: the module's get_state()
 
 
-def _from_directory(directory: str, step: Step, metric: str, mode: str, weights_only: bool) -> "tuple[str, Dict[str, Any]]":
+def _from_directory(directory: str, step: Step, metric: str, mode: str, weights_only: bool) -> str:
     checkpointer = DefaultCheckpointer(
         DefaultCheckpointerArguments(save_dir=directory, load_dir=directory, weights_only=weights_only)
     )
+    fs, path = storage.resolve(directory)
     if isinstance(step, int):
-        url = storage.join(directory, checkpoint_name(step))
-        return url, checkpointer.read(url).module_state
+        return _existing(fs, path, step, directory)
     latest = checkpointer.load()
     if latest is None:
-        raise FileNotFoundError(f"{directory!r} holds no checkpoint-*.pt file")
+        raise FileNotFoundError(f"{directory!r} holds no checkpoint (checkpoint-*.pt file or checkpoint-* directory)")
     if step == "last":
-        return str(checkpointer.loaded_from), latest.module_state
+        return str(checkpointer.loaded_from)
     scores = _scores_by_step(latest, metric)
-    fs, path = storage.resolve(directory)
     ranked = sorted(scores, key=scores.__getitem__, reverse=mode == "max")
     for best_step in ranked:
-        candidate = storage.join(path, checkpoint_name(best_step))
-        if fs.exists(candidate):
-            if best_step == latest.global_step:
-                return str(checkpointer.loaded_from), latest.module_state
-            url = fs.unstrip_protocol(candidate)
-            return url, checkpointer.read(url).module_state
+        if best_step == latest.global_step:
+            return str(checkpointer.loaded_from)
+        try:
+            return _existing(fs, path, best_step, directory)
+        except FileNotFoundError:
+            continue
     recorded = sorted(scores)
     raise ValueError(
         f"no checkpoint in {directory!r} has a recorded {metric!r} (recorded at steps {recorded or 'none'}); "
         f"pass the metric the run validated (metric=...), or step='last' or a step number"
+    )
+
+
+def _existing(fs: Any, path: str, step: int, directory: str) -> str:
+    """The URL of the checkpoint of ``step`` in ``path`` (a file or a directory of shards)."""
+    for suffix in (".pt", ""):
+        candidate = storage.join(path, checkpoint_name(step, suffix))
+        if fs.exists(candidate):
+            return fs.unstrip_protocol(candidate)
+    raise FileNotFoundError(
+        f"checkpoint file {storage.join(directory, checkpoint_name(step))!r} does not exist "
+        f"(nor a sharded checkpoint directory {checkpoint_name(step, '')!r})"
     )
 
 

@@ -1,0 +1,301 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): the FSDP strategy's format.
+
+Imported only when a sharded checkpoint is written or read (DCP is a heavy import).
+
+A sharded checkpoint is a directory ``checkpoint-<step>/``:
+
+- the module state and the optimizer states, written with DCP: each rank writes its own
+  shards (``__<rank>_0.distcp``) and rank zero the index (``.metadata``), which records every
+  tensor's global shape, so a later run on another number of ranks reads the slices it owns;
+- ``state.pt``: everything else (counters, per-rank RNG states, schedulers, history...),
+  written by rank zero through the checkpointer's :class:`~backends.checkpoint_io.CheckpointIO`
+  and read with ``weights_only=True``; each sharded tensor appears there as a
+  ``{"__sharded__": key}`` marker, and ``"sharded": {"metadata_sha256": ...}`` holds the
+  digest of ``.metadata``;
+- ``.complete``: written last.
+
+Atomicity: every rank writes into ``.checkpoint-<step>.partial/``; once DCP has finished (its
+last step gathers every rank's result), rank zero writes ``state.pt``, renames the directory
+into place and writes ``.complete``.
+
+Safety: DCP unpickles ``.metadata`` with plain ``pickle``. It is unpickled only when its
+SHA-256 equals the digest in ``state.pt`` (itself read with ``weights_only``); a mismatch is
+a damaged checkpoint (:class:`~backends.checkpoint_io.CorruptCheckpoint`), a missing digest
+a refused one (:class:`~backends.checkpoint_io.CheckpointRefused`, unless the IO trusts
+pickles). Every error DCP raises while reading (its ``CheckpointException`` is a
+``BaseException``) is reported as :class:`~backends.checkpoint_io.CorruptCheckpoint`.
+"""
+
+import contextlib
+import logging
+import posixpath
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, file_digest
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "state.pt"
+COMPLETE_MARKER = ".complete"
+INDEX_FILE = ".metadata"
+MARKER_KEY = "__sharded__"
+DIGEST_KEY = "sharded"
+
+
+def split_sharded(data: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """``(tensors, rest)``: the tensors of the module state, the optimizer and the callback states, keyed by
+    their path (``"module/model/head.weight"``, ``"trainer/optimizers/0/state/3/exp_avg"``), and
+    ``data`` with each of them replaced by a ``{"__sharded__": path}`` marker.
+
+    Example:
+        >>> tensors, rest = split_sharded({"module": {"w": torch.ones(2)}, "trainer": {"optimizers": []}, "epoch": 1})
+        >>> list(tensors), rest["module"]
+        (['module/w'], {'w': {'__sharded__': 'module/w'}})
+    """
+    tensors: Dict[str, torch.Tensor] = {}
+
+    def replace(value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[path] = value
+            return {MARKER_KEY: path}
+        if isinstance(value, dict):
+            return type(value)((key, replace(item, f"{path}/{key}")) for key, item in value.items())
+        if isinstance(value, (list, tuple)):
+            return type(value)(replace(item, f"{path}/{index}") for index, item in enumerate(value))
+        return value
+
+    rest = dict(data)
+    rest["module"] = replace(data["module"], "module")
+    trainer = dict(data.get("trainer", {}))
+    trainer["optimizers"] = replace(trainer.get("optimizers", []), "trainer/optimizers")
+    trainer["callbacks"] = replace(trainer.get("callbacks", []), "trainer/callbacks")  # EMA's sharded average
+    rest["trainer"] = trainer
+    return tensors, rest
+
+
+def fill_sharded(rest: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`split_sharded`: markers replaced by ``tensors[path]``."""
+    if isinstance(rest, dict):
+        if set(rest) == {MARKER_KEY}:
+            return tensors[rest[MARKER_KEY]]
+        return type(rest)((key, fill_sharded(value, tensors)) for key, value in rest.items())
+    if isinstance(rest, (list, tuple)):
+        return type(rest)(fill_sharded(value, tensors) for value in rest)
+    return rest
+
+
+def marker_paths(rest: Any) -> List[str]:
+    """Every sharded tensor's path named by a marker in ``rest``."""
+    if isinstance(rest, dict):
+        if set(rest) == {MARKER_KEY}:
+            return [rest[MARKER_KEY]]
+        return [path for value in rest.values() for path in marker_paths(value)]
+    if isinstance(rest, (list, tuple)):
+        return [path for value in rest for path in marker_paths(value)]
+    return []
+
+
+def initialize_optimizer_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Create the state of optimizers that have none yet (Adam's moments, momentum buffers), so a
+    sharded checkpoint has tensors of the right sharding to load into.
+
+    One step with zero gradients and a learning rate of 0 (the weights do not move); loading the
+    checkpoint's optimizer state then replaces all of it, as in ``torch.distributed.checkpoint.state_dict``.
+    """
+    for optimizer in optimizers:
+        if optimizer.state:
+            continue
+        learning_rates = [group["lr"] for group in optimizer.param_groups]
+        given_grads = []
+        for group in optimizer.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+            for parameter in group["params"]:
+                if parameter.requires_grad and parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                    given_grads.append(parameter)
+        optimizer.step()
+        for group, learning_rate in zip(optimizer.param_groups, learning_rates):
+            group["lr"] = learning_rate
+        for parameter in given_grads:
+            parameter.grad = None
+
+
+def prepare_save(
+    path: str,
+    state: Dict[str, Any],
+    io: CheckpointIO,
+    *,
+    is_main: bool,
+    distributed: bool,
+    on_rank_zero: Callable[[Callable[[], Any], str], Any],
+    process_group: Any = None,
+    copy: bool = False,
+) -> Callable[[], None]:
+    """Start a sharded save of ``state`` into the directory ``path`` (call on every rank); return
+    the write, to run now or on a background thread (``copy``: tensors copied to CPU first, and
+    DCP's collectives run over ``process_group``)."""
+    fs, final = fsspec.core.url_to_fs(path)
+    final = final.rstrip("/")
+    partial = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.partial")
+    tensors, rest = split_sharded(state)
+    on_rank_zero(lambda: _fresh_directory(fs, partial), "prepare a sharded checkpoint directory")
+    if copy:
+        tensors = {key: _cpu_copy(tensor) for key, tensor in tensors.items()}
+        rest = io.stage(rest)
+
+    def write() -> None:
+        with _single_process_quietly():
+            dcp.save(tensors, storage_writer=_writer(fs, partial), process_group=process_group, no_dist=not distributed)
+        if not is_main:
+            return
+        # Rank zero: DCP has gathered every rank's result, so every shard and the index are written.
+        rest[DIGEST_KEY] = {"metadata_sha256": file_digest(fs.unstrip_protocol(posixpath.join(partial, INDEX_FILE)))}
+        io.write(fs.unstrip_protocol(posixpath.join(partial, STATE_FILE)), rest)
+        if fs.exists(final):  # the same step saved again (e.g. the final save after a step save)
+            fs.rm(final, recursive=True)
+        fs.mv(partial, final, recursive=True)
+        with fs.open(posixpath.join(final, COMPLETE_MARKER), "wb") as handle:
+            handle.write(b"complete\n")
+
+    return write
+
+
+def load(
+    path: str,
+    io: CheckpointIO,
+    target: Optional[Callable[[], Dict[str, Any]]] = None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    distributed: bool = False,
+) -> Dict[str, Any]:
+    """Read the sharded checkpoint directory ``path``.
+
+    With ``target`` (call on every rank): its tensors (this run's state, in its own sharding,
+    whatever world size wrote the checkpoint) are loaded in place; ``optimizers`` without state
+    get theirs created first, and optimizer tensors ``target()`` lacks are not restored.
+    Without: full CPU tensors, in this process alone (no process group needed).
+
+    Raises:
+        FileNotFoundError: there is no directory at ``path``.
+        CorruptCheckpoint: unfinished, damaged, or unreadable by DCP.
+        CheckpointRefused: ``.metadata`` carries no digest and ``io`` refuses pickles.
+        ValueError: the checkpoint holds module tensors ``target()`` does not have.
+    """
+    fs, directory = fsspec.core.url_to_fs(path)
+    directory = directory.rstrip("/")
+    if not fs.isdir(directory):
+        raise FileNotFoundError(f"sharded checkpoint directory {path!r} does not exist")
+    if not fs.exists(posixpath.join(directory, COMPLETE_MARKER)):
+        raise CorruptCheckpoint(f"no {COMPLETE_MARKER} marker: the save did not finish")
+    try:
+        rest = io.read(fs.unstrip_protocol(posixpath.join(directory, STATE_FILE)))
+    except FileNotFoundError as error:
+        raise CorruptCheckpoint(f"its {STATE_FILE} is missing") from error
+    if not isinstance(rest, dict):
+        raise CorruptCheckpoint(f"{STATE_FILE} is not a sharded checkpoint's state")
+    _check_index(fs, directory, rest, io)
+    paths = marker_paths(rest)
+    reader = _reader(fs, directory)
+    if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
+        initialize_optimizer_state(optimizers)
+    available = split_sharded(target())[0] if target is not None else {}
+    missing = [key for key in paths if key.startswith("module/") and key not in available]
+    if target is not None and missing:
+        raise ValueError(
+            f"the checkpoint holds tensors this run's module does not have: {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}; load it into the same model"
+        )
+    try:
+        with _single_process_quietly():
+            if target is None:  # full tensors, sized from the DCP index
+                metadata = reader.read_metadata()
+                targets = {}
+                for key in paths:
+                    entry = metadata.state_dict_metadata.get(key)
+                    if not isinstance(entry, TensorStorageMetadata):
+                        raise CorruptCheckpoint(f"{key} is not a tensor in the checkpoint's index")
+                    targets[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+                dcp.load(targets, storage_reader=reader, no_dist=True)
+            else:
+                targets = {key: available[key] for key in paths if key in available}
+                dcp.load(targets, storage_reader=reader, no_dist=not distributed)
+    except CorruptCheckpoint:
+        raise
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise CorruptCheckpoint(
+            f"torch.distributed.checkpoint could not read it: {type(error).__name__}: {first_line}"
+        ) from error
+    targets.update({key: torch.empty(0) for key in paths if key not in targets})  # not restored
+    rest.pop(DIGEST_KEY, None)
+    return fill_sharded(rest, targets)
+
+
+def _check_index(fs: Any, directory: str, rest: Dict[str, Any], io: CheckpointIO) -> None:
+    """Refuse to let DCP unpickle a ``.metadata`` that is not the one written with ``state.pt``."""
+    index = posixpath.join(directory, INDEX_FILE)
+    expected = rest.get(DIGEST_KEY, {}).get("metadata_sha256") if isinstance(rest.get(DIGEST_KEY), dict) else None
+    if expected is None:
+        if io.weights_only:
+            raise CheckpointRefused(
+                f"{fs.unstrip_protocol(directory)}: its DCP index {INDEX_FILE} carries no digest (written by an older "
+                "version), and DCP unpickles it with plain pickle, which can run code; refusing to load it. If you trust "
+                "the directory, set checkpointer_args.weights_only=False (--checkpointer.weights_only false)"
+            )
+        return
+    try:
+        actual = file_digest(fs.unstrip_protocol(index))
+    except FileNotFoundError as error:
+        raise CorruptCheckpoint(f"its index {INDEX_FILE} is missing") from error
+    if actual != expected:
+        raise CorruptCheckpoint(
+            f"its index {INDEX_FILE} does not match the digest saved with the checkpoint (damaged or replaced); "
+            "it was not unpickled"
+        )
+
+
+def _fresh_directory(fs: Any, path: str) -> None:
+    if fs.exists(path):  # left by a run killed while saving this step
+        fs.rm(path, recursive=True)
+    fs.makedirs(path, exist_ok=True)
+
+
+@contextlib.contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    """DCP warns that it assumes a single process when there is no process group: that is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of this rank's part that training may not change (a DTensor stays a DTensor)."""
+    return tensor.detach().to("cpu", copy=True) if tensor.device.type != "cpu" else tensor.detach().clone()
+
+
+def _is_local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def _writer(fs: Any, path: str) -> Any:
+    if _is_local(fs):
+        return dcp.FileSystemWriter(path)
+    from torch.distributed.checkpoint import FsspecWriter  # type: ignore[attr-defined]  # exported at runtime, not in the stubs
+
+    return FsspecWriter(fs.unstrip_protocol(path))
+
+
+def _reader(fs: Any, path: str) -> Any:
+    if _is_local(fs):
+        return dcp.FileSystemReader(path)
+    from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined]  # exported at runtime, not in the stubs
+
+    return FsspecReader(fs.unstrip_protocol(path))

@@ -180,7 +180,9 @@ def resume(context: Context) -> Dict[str, Any]:
     for key, how, damage in (("sigterm", "sigterm", False), ("abrupt", "abrupt", False), ("damaged", "abrupt", True)):
         try:
             observed[key] = _stopped_then_resumed(context, key, how, damage)
-        except Exception as error:  # one failing scenario must not hide the others
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # one failing scenario must not hide the others (DCP raises BaseException)
             observed[key] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
     return observed
 
@@ -250,7 +252,9 @@ def run_checks(context: Context, names: List[str]) -> Dict[str, Any]:
     for name in names:
         try:
             observed[name] = CHECKS[name](context)
-        except Exception as error:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
             first = (str(error).strip().splitlines() or [""])[0][:300]
             observed[name] = {"error": f"{type(error).__name__}: {first}"}
     return observed

@@ -7,7 +7,7 @@ Process-group handling, samplers and collectives are the DDP strategy's.
 
 import contextlib
 import logging
-from typing import Any, ContextManager, Dict, Iterator, Optional
+from typing import Any, ClassVar, ContextManager, Dict, Iterator, Optional
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -49,6 +49,10 @@ class FSDP(DDP):
 
     name = "fsdp"
     saves_sharded = True
+    unsupported_features: ClassVar[Dict[str, str]] = {
+        "best": "validate/test/predict(checkpoint='best') read whole-model checkpoints; fsdp writes sharded ones "
+        "(refused with NotImplementedError before any step)"
+    }
 
     def __init__(self, reshard_after_forward: bool = True, timeout_seconds: Optional[float] = None) -> None:
         super().__init__(find_unused_parameters=False, timeout_seconds=timeout_seconds)

@@ -10,7 +10,7 @@ import datetime
 import logging
 import sys
 import time
-from typing import Any, ContextManager, List, Optional, Sequence, Sized, Tuple
+from typing import Any, ClassVar, ContextManager, Dict, List, Optional, Sequence, Sized, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,9 @@ class Strategy:
     name = "single-process"
     multi_process = False
     """True for strategies that run one process per device (DDP); False refuses multi-process launches."""
+    unsupported_features: ClassVar[Dict[str, str]] = {}
+    """Conformance checks the strategy declares unsupported (check name -> why; see
+    :attr:`backends.TrainerBackend.unsupported_features`)."""
     saves_sharded = False
     """True when every rank holds only a shard of the state: checkpoints are then written by every
     rank (:class:`framework.checkpoint.sharded.ShardedCheckpointer`), not by rank zero alone."""

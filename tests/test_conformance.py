@@ -51,7 +51,17 @@ def test_kit_passes_on_single_process_backends(backend):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("backend", ["ddp", "ddp-amp", "fsdp", "fsdp-amp"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "ddp",
+        "ddp-amp",
+        # The damaged-checkpoint fallback of sharded checkpoints on one rank (a DCP CheckpointException
+        # today) is built on the "ckpt" branch; strict: this test fails loudly once it passes.
+        pytest.param("fsdp", marks=pytest.mark.xfail(strict=True, reason="damaged sharded checkpoint fallback")),
+        pytest.param("fsdp-amp", marks=pytest.mark.xfail(strict=True, reason="damaged sharded checkpoint fallback")),
+    ],
+)
 def test_kit_passes_on_distributed_backends(backend):
     result = kit(backend)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]

@@ -123,7 +123,7 @@ def conformance(
     if unknown:
         raise ValueError(f"unknown check(s) {unknown}; allowed: {', '.join(CHECKS)}")
     instance = build_backend(backend)
-    declared = dict(instance.unsupported_features)
+    declared = {**instance.strategy.unsupported_features, **instance.unsupported_features}
     multi_process = instance.strategy.multi_process
     lower_precision = compute_dtype(backend) is not None
     reference_name = "sp-amp" if lower_precision else "sp"

@@ -38,9 +38,10 @@ def _close(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str, tol
     return worst <= tolerance and spread == 0.0, figure
 
 
-def _error(observed: Any, key: Optional[str] = None) -> Optional[str]:
-    value = observed.get(key) if key else observed.get("error")
-    return value if isinstance(value, str) and (key is None or ":" in value) else None
+def _error(observed: Dict[str, Any]) -> Optional[str]:
+    """The error a check recorded instead of observations (None: it ran)."""
+    value = observed.get("error")
+    return value if isinstance(value, str) else None
 
 
 @dataclass
@@ -158,9 +159,7 @@ def judge(
 ) -> Row:
     """The row for ``feature`` from every rank's observations of its check."""
     tolerance = feature.tolerance(parameter_tolerance, resume_tolerance)
-    shown = "exact" if feature.described == "exact" else (f"{tolerance:g}" if tolerance else "bitwise")
-    if feature.described == "same as sp":
-        shown = "same as sp"
+    shown = feature.described if feature.described in ("exact", "same as sp") else f"{tolerance:g}" if tolerance else "bitwise"
     if feature.check in declared:
         return Row(feature.name, len(ranks), "DECLARED", f"unsupported: {declared[feature.check]}", "-")
     for observed in (*ranks, reference):

@@ -1,7 +1,7 @@
 """TrainerBackend: the one object the Trainer talks to, a strategy composed with a precision."""
 
 import logging
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Sized, Union
+from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Sized, Union
 
 import torch
 
@@ -33,6 +33,14 @@ class TrainerBackend:
         >>> backend.device
         device(type='cpu')
     """
+
+    unsupported_features: ClassVar[Dict[str, str]] = {}
+    """Conformance checks this backend declares it does not support, by check name (``"manual"``,
+    ``"resume"``...) with the reason; ``python -m framework.conformance`` reports them as declared
+    refusals instead of running them. The backend must then refuse the feature before step 1."""
+    resume_tolerance: float = 0.0
+    """Largest parameter difference between a resumed run and an uninterrupted one that the
+    conformance kit accepts (0.0: bitwise, what the built-in backends promise)."""
 
     def __init__(self, strategy: Optional[Strategy] = None, precision: Optional[Precision] = None) -> None:
         if strategy is not None and not isinstance(strategy, Strategy):

@@ -10,7 +10,7 @@ import datetime
 import logging
 import sys
 import time
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Sized, Tuple, Type
+from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Sized, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,9 @@ class Strategy:
     checkpoint_suffix = ".pt"
     """What follows ``checkpoint-<step>`` in a checkpoint's name: ``".pt"`` for one file,
     ``""`` for a directory of shards (see :meth:`save_checkpoint`)."""
+    unsupported_features: ClassVar[Dict[str, str]] = {}
+    """Conformance checks the strategy declares unsupported (check name -> why; see
+    :attr:`backends.TrainerBackend.unsupported_features`)."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")

@@ -49,6 +49,19 @@ class ShardedStream(IterableDataset):
         return len(range(self.rank, len(self.dataset), self.world_size))  # type: ignore[arg-type]
 
 
+def user_dataset(dataset: Any) -> Any:
+    """The user's dataset behind a :class:`ShardedStream` (``dataset`` itself otherwise), for messages.
+
+    Example:
+        >>> class Count(IterableDataset):
+        ...     def __iter__(self):
+        ...         return iter(range(3))
+        >>> type(user_dataset(ShardedStream(Count(), rank=0, world_size=2))).__name__
+        'Count'
+    """
+    return dataset.dataset if isinstance(dataset, ShardedStream) else dataset
+
+
 def shard_stream(loader: Any, rank: int, world_size: int) -> Any:
     """``loader`` with its ``IterableDataset`` replaced by a :class:`ShardedStream` when needed.
 

@@ -5,6 +5,8 @@ from typing import Any, List, Optional
 
 from torch.utils.data import IterableDataset
 
+from backends.streams import user_dataset
+
 logger = logging.getLogger("framework")
 
 
@@ -126,6 +128,7 @@ def _has_state_protocol(obj: Any) -> bool:
 
 def _resume_mode(loader: Any, samplers: List[Any]) -> "tuple[Optional[str], str]":
     dataset = getattr(loader, "dataset", None)
+    name = type(user_dataset(dataset)).__name__  # the user's class, not the framework's ShardedStream
     if _has_state_protocol(loader):
         return "loader_state", ""
     if not isinstance(dataset, IterableDataset) and any(hasattr(sampler, "fast_forward") for sampler in samplers):
@@ -134,13 +137,13 @@ def _resume_mode(loader: Any, samplers: List[Any]) -> "tuple[Optional[str], str]
         if getattr(loader, "num_workers", 0) == 0:
             return "dataset_state", ""
         return None, (
-            f"the train dataset {type(dataset).__name__} has state_dict() but the loader reads it in "
+            f"the train dataset {name} has state_dict() but the loader reads it in "
             f"{loader.num_workers} worker processes, whose copies the trainer cannot see; use torchdata's "
             "StatefulDataLoader or num_workers=0 to resume mid-epoch"
         )
     if isinstance(dataset, IterableDataset):
         return None, (
-            f"the train dataset {type(dataset).__name__} is a stream (IterableDataset) without state_dict()/"
+            f"the train dataset {name} is a stream (IterableDataset) without state_dict()/"
             "load_state_dict(), so a run cannot continue inside an epoch"
         )
     names = ", ".join(type(sampler).__name__ for sampler in samplers) or "none"

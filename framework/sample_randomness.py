@@ -10,7 +10,12 @@ continues each worker's stream. None of that is in a checkpoint. The trainer the
   started at an epoch are seeded alike in every run;
 - publishes ``(seed, epoch)`` to the loader's workers (shared memory, read when a sample is
   drawn), so :func:`sample_generator` gives the same numbers for a sample whichever worker,
-  and whichever run, loads it.
+  and whichever run, loads it;
+- in each loader worker, seeds the global generators of torch, numpy and ``random`` from
+  ``(seed, epoch, index)`` before every ``__getitem__`` of a map-style dataset, so augmentation
+  written the usual way (``torch.randn``, ``np.random``, ``random``, torchvision transforms)
+  resumes exactly too. With ``num_workers=0`` the main process's generators are left alone
+  (they drive dropout and the training step): use :func:`sample_generator` there.
 
 Example:
     class Augmented(torch.utils.data.Dataset):
@@ -20,10 +25,13 @@ Example:
 """
 
 import logging
-from typing import Any, Callable, Optional
+import operator
+import random
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 logger = logging.getLogger("framework")
 
@@ -75,6 +83,69 @@ def sample_generator(index: int) -> torch.Generator:
     return torch.Generator().manual_seed(sample_seed(index))
 
 
+def seed_global_generators(seed: int) -> None:
+    """Seed torch's, numpy's (when imported) and ``random``'s global generators from ``seed``.
+
+    Example:
+        >>> seed_global_generators(3); first = torch.rand(1)
+        >>> seed_global_generators(3); torch.equal(first, torch.rand(1))
+        True
+    """
+    torch.default_generator.manual_seed(seed)  # the CPU generator: torch.manual_seed also visits every accelerator
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed & 0xFFFFFFFF)
+
+
+_SEEDED_CLASSES: Dict[type, type] = {}
+
+
+def _seeded_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``__getitem__`` (and ``__getitems__``) first seeds the global
+    generators from the sample's index; same name, so errors still name the user's class."""
+    seeded = _SEEDED_CLASSES.get(cls)
+    if seeded is not None:
+        return seeded
+
+    def __getitem__(self: Any, index: Any) -> Any:
+        _seed_for(index)
+        return cls.__getitem__(self, index)  # type: ignore[index]
+
+    namespace: Dict[str, Any] = {"__getitem__": __getitem__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    batched = getattr(cls, "__getitems__", None)
+    if batched is not None:
+
+        def __getitems__(self: Any, indices: Sequence[Any]) -> List[Any]:
+            if len(indices):  # one batched call: seeded by its first sample (the batch is fixed by the sampler)
+                _seed_for(indices[0])
+            return batched(self, indices)
+
+        namespace["__getitems__"] = __getitems__
+    seeded = _SEEDED_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
+    return seeded
+
+
+def _seed_for(index: Any) -> None:
+    try:
+        position = operator.index(index)
+    except TypeError:
+        return  # not an integer index (a key, a slice): nothing to derive a seed from
+    seed_global_generators(sample_seed(position))
+
+
+def seed_globals_per_sample(dataset: Any) -> bool:
+    """In a loader worker: make every ``dataset[index]`` start from generators seeded by
+    (seed, epoch, index). False (left alone) for streams and classes that cannot be extended."""
+    if isinstance(dataset, IterableDataset) or not callable(getattr(type(dataset), "__getitem__", None)):
+        return False
+    try:
+        dataset.__class__ = _seeded_class(type(dataset))
+    except TypeError:  # a builtin or a layout that forbids it
+        return False
+    return True
+
+
 class _SeedingWorkerInit:
     """``worker_init_fn`` of a train loader: points the worker at the shared (seed, epoch), then
     calls the user's own ``worker_init_fn``. Picklable (``spawn`` start method)."""
@@ -86,6 +157,9 @@ class _SeedingWorkerInit:
     def __call__(self, worker_id: int) -> None:
         global _STATE
         _STATE = self.state
+        info = get_worker_info()
+        if info is not None:
+            seed_globals_per_sample(info.dataset)
         if self.user_init is not None:
             self.user_init(worker_id)
 
@@ -123,12 +197,13 @@ class LoaderSeeding:
             self.loader.generator = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
 
     def warn_about_worker_randomness(self, resumable_mid_epoch: bool) -> None:
-        """One line at start: with workers, randomness a dataset draws from the global RNG does not
-        resume exactly mid-epoch (which worker loads which sample changes); name the helper."""
+        """One line at start: a stream read by workers that draws from the global RNG does not
+        resume exactly mid-epoch (it has no sample index to seed from); name the helper."""
         workers = getattr(self.loader, "num_workers", 0)
-        if workers and resumable_mid_epoch:
+        if workers and resumable_mid_epoch and isinstance(getattr(self.loader, "dataset", None), IterableDataset):
             logger.warning(
-                "the train loader has num_workers=%d: random augmentation that draws from the global RNG in __getitem__ "
-                "does not resume exactly mid-epoch; draw it from framework.sample_generator(index) (docs/data-pipelines.md)",
+                "the train stream is read by num_workers=%d: random augmentation that draws from the global RNG in "
+                "__iter__ does not resume exactly mid-epoch; draw it from framework.sample_generator(index) "
+                "(docs/data-pipelines.md)",
                 workers,
             )

@@ -22,7 +22,7 @@ from framework.evaluation import Evaluator
 from framework.evaluation_weights import best_checkpoint_url, load_evaluation_weights
 from framework.hooks import HookDispatcher
 from framework.launcher_watch import LauncherWatch
-from framework.loader_plan import RecordingSampler, warn_if_loader_ignores_plan
+from framework.loader_plan import RecordingSampler, warn_about_stream_shares, warn_if_loader_ignores_plan
 from framework.loader_position import LoaderPosition
 from framework.loggers import LoggerSet, RunInfo, build_loggers, run_status
 from framework.logging_setup import configure_logging
@@ -643,6 +643,7 @@ class Trainer(TrainerCheckpoints):
         except TypeError:
             length = None
         self._loader_length = None if length is None else self.backend.strategy.min_over_ranks(length)
+        warn_about_stream_shares(self._train_loader, self.backend.world_size, self.backend.all_gather_object)
         checks.check_train_loader_not_empty(self._train_loader, self._loader_length, self.train_step_batch_size)
         self._loader_position = LoaderPosition(self._train_loader)
         self._loader_seeding = LoaderSeeding(self._train_loader, self.args.seed)

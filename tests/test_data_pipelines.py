@@ -335,3 +335,42 @@ def test_resume_from_every_step_where_saves_and_validations_coincide_and_interle
         parameters, resumed_records = _coinciding_run(tmp_path / checkpoint, resume)
         assert torch.equal(parameters, reference), checkpoint
         assert resumed_records == records, checkpoint
+
+
+# -- what a multi-rank stream loses per epoch, said once ---------------------------------------
+
+
+class ReplayStream(torch.utils.data.IterableDataset):
+    """A per-rank stream (each rank samples its own replay buffer)."""
+
+    def __init__(self, count: int, shards_itself: bool = False) -> None:
+        self.count, self.shards_itself = count, shards_itself
+
+    def __iter__(self):
+        return iter(range(self.count))
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def test_a_stream_split_by_rank_is_named_with_the_items_it_discards():
+    from backends.streams import shard_stream
+    from framework.loader_plan import stream_share_problem
+
+    loader = shard_stream(torch.utils.data.DataLoader(ReplayStream(40), batch_size=4), rank=0, world_size=2)
+    problem = stream_share_problem(loader, [len(loader), len(loader)], [40, 40])
+    assert problem.startswith("the train stream ReplayStream does not declare shards_itself = True")
+    assert "(40 of 80 items per epoch over the ranks)" in problem and "ShardedStream" not in problem
+
+
+def test_uneven_per_rank_streams_say_how_many_batches_are_dropped_per_epoch():
+    from framework.loader_plan import stream_share_problem
+
+    loader = torch.utils.data.DataLoader(ReplayStream(40, shards_itself=True), batch_size=4)
+    problem = stream_share_problem(loader, [10, 13], [40, 52])
+    assert problem == (
+        "the ranks' ReplayStream streams have [10, 13] batches per epoch and every rank stops with the shortest, so "
+        "3 batches (3 x 4 items) are dropped every epoch (rank 1: 3)"
+    )
+    assert stream_share_problem(loader, [10, 10], [40, 40]) is None
+    assert "no __len__" in stream_share_problem(loader, [None, None], [None, None])

@@ -1,0 +1,169 @@
+"""The tiny modules the conformance checks train (a few hundred parameters, CPU-fast).
+
+Every module draws its data from a fixed generator, so every rank (and the ``sp`` reference)
+builds the same dataset; the framework's sampler then splits it.
+"""
+
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+from framework.module import ModuleInterface
+
+FEATURES = 6
+
+
+def make_data(samples: int, seed: int) -> TensorDataset:
+    """``(x, y, index)`` with y a smooth function of x."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, FEATURES, generator=generator)
+    y = torch.tanh(x[:, :3].sum(1, keepdim=True)) + 0.1 * torch.randn(samples, 1, generator=generator)
+    return TensorDataset(x, y, torch.arange(samples))
+
+
+class AugmentedData(Dataset):
+    """Adds noise drawn the usual way (torch's global generator) in ``__getitem__``."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        x, y, position = self.data[index]
+        return x + 0.1 * torch.randn(x.shape), y, position
+
+
+class SplitStream(IterableDataset):
+    """A stream over ``data`` that the framework splits by rank and loader worker."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self) -> Any:
+        return (self.data[index] for index in range(len(self.data)))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class KitNet(ModuleInterface):
+    """Two blocks in an ``nn.ModuleList`` (sharding units under FSDP) and a head.
+
+    Args:
+        samples: training samples.
+        nan_at_step: from this optimizer step on, the loss is NaN.
+        loader: ``"sampler"`` (the framework's), ``"workers"`` (augmentation in 2 loader
+            workers) or ``"stream"`` (an ``IterableDataset`` read by 2 workers).
+
+    Example:
+        >>> net = KitNet(samples=8)
+        >>> net(torch.zeros(2, FEATURES)).shape
+        torch.Size([2, 1])
+    """
+
+    def __init__(self, samples: int = 64, nan_at_step: Optional[int] = None, loader: str = "sampler") -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(FEATURES, 8), torch.nn.Linear(8, 8)])
+        self.head = torch.nn.Linear(8, 1)
+        self.train_data = make_data(samples, seed=1)
+        self.val_data = make_data(21, seed=2)  # odd: ranks get uneven shares and batches
+        self.nan_at_step = nan_at_step
+        self.loader = loader
+        self.compute_dtypes: List[str] = []
+        self.seen: List[int] = []
+        self.val_order: List[int] = []
+        self.setup_saw: List[int] = []
+
+    def setup(self) -> None:
+        self.setup_saw = [self.global_rank, self.world_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Any:
+        return [torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)], []
+
+    def get_train_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
+        if self.loader == "stream":
+            return DataLoader(SplitStream(self.train_data), batch_size=batch_size, num_workers=2)
+        if self.loader == "workers":
+            data = AugmentedData(self.train_data)
+            return DataLoader(data, batch_size=batch_size, sampler=sampler(data), num_workers=2)
+        return DataLoader(self.train_data, batch_size=batch_size, sampler=sampler(self.train_data))
+
+    def get_val_dataloaders(self, sampler: Any, batch_size: int) -> DataLoader:
+        return DataLoader(self.val_data, batch_size=4, sampler=sampler(self.val_data))
+
+    def get_test_dataloaders(self, sampler: Any, batch_size: int) -> DataLoader:
+        return self.get_val_dataloaders(sampler, batch_size)
+
+    def get_predict_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
+        return self.get_val_dataloaders(sampler, batch_size)
+
+    def train_step(self, global_step: int, batch: Any, device: torch.device) -> torch.Tensor:
+        x, y, index = batch
+        prediction = self(x)
+        if len(self.compute_dtypes) < 1:
+            self.compute_dtypes.append(str(prediction.dtype).replace("torch.", ""))
+        self.seen.extend(index.tolist())
+        loss = F.mse_loss(prediction.float(), y)
+        if self.nan_at_step is not None and global_step >= self.nan_at_step:
+            loss = loss * float("nan")
+        return loss
+
+    def val_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        x, y, index = batch
+        errors = (self(x).float() - y).pow(2).mean(1)
+        self.log("val_weighted", errors.mean(), batch_size=len(x))
+        return errors.mean(), index
+
+    def predict_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        x, _, index = batch
+        return {"index": index, "prediction": self(x).float()}
+
+    def on_end_val_epoch(self, global_step: int, *outputs: Any, key: str) -> None:
+        self.val_order = outputs[1].tolist()
+
+
+class KitTwoOptimizers(KitNet):
+    """Manual optimization with two optimizers: the body (clipped) then the head on detached features."""
+
+    automatic_optimization = False
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Any:
+        body = torch.optim.SGD(self.blocks.parameters(), lr=0.2, momentum=0.9)
+        head = torch.optim.Adam(self.head.parameters(), lr=0.01)
+        return [body, head], []
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+    def train_step(self, global_step: int, batch: Any, device: torch.device) -> torch.Tensor:
+        x, y, _ = batch
+        body, head = self.optimizers()
+        loss = F.mse_loss(self.head(self.features(x)).float(), y)
+        self.manual_backward(loss)
+        self.clip_gradients(body, max_norm=0.5)
+        body.step()
+        body.zero_grad()
+        head.zero_grad()
+        head_loss = F.mse_loss(self.head(self.features(x).detach()).float(), y)
+        self.manual_backward(head_loss)
+        head.step()
+        head.zero_grad()
+        return loss.detach()
+
+
+def full_parameters(trainer: Any) -> List[float]:
+    """Every parameter of the trainer's module, whole (gathered from the shards: collective)."""
+    named: Dict[str, Any] = dict(trainer.module.named_parameters())
+    full = trainer.backend.strategy.unsharded(named)
+    return torch.cat([tensor.detach().float().reshape(-1).cpu() for tensor in full.values()]).tolist()

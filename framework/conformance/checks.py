@@ -211,7 +211,7 @@ def evaluate_best(context: Context) -> Dict[str, Any]:
     trainer.train()
     best = trainer.best_checkpoint()
     return {
-        "best": os.path.basename(best.rstrip("/")) if best else None,
+        "best": os.path.basename(best.rstrip("/")).removesuffix(".pt") if best else None,  # a file or a directory of shards
         "val_weighted": trainer.validate("best")["val_weighted"],
     }
 

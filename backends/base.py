@@ -136,8 +136,9 @@ class TrainerBackend:
     def move_to_device(self, batch: Any) -> Any:
         """``batch`` with every tensor inside it on :attr:`device`.
 
-        On a CPU device the batch is returned as it is: loaders yield CPU tensors, and
-        walking the batch would cost more than a small model's step.
+        On a CPU device the batch is not walked: loaders yield CPU tensors, and walking the
+        batch would cost more than a small model's step. A precision that converts inputs
+        (true bf16) then casts its floating tensors.
         """
         if self.strategy.device.type != "cpu":
             batch = move_to_device(batch, self.device)

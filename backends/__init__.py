@@ -17,7 +17,7 @@ from backends.environments import (
     register_cluster_environment,
 )
 from backends.fsdp import FSDP
-from backends.precision import FullPrecision, MixedPrecision, Precision
+from backends.precision import FullPrecision, MixedPrecision, Precision, TrueBF16
 from backends.registry import available_backends, build_backend, register_backend
 from backends.samplers import ResumableSampler
 from backends.strategies import DDP, SingleProcess, Strategy
@@ -33,6 +33,7 @@ __all__ = [
     "SingleProcess",
     "Strategy",
     "TrainerBackend",
+    "TrueBF16",
     "available_backends",
     "available_cluster_environments",
     "build_backend",

@@ -51,6 +51,7 @@ class TrainerBackend:
             )
         self.strategy = strategy if strategy is not None else SingleProcess()
         self.precision = precision if precision is not None else FullPrecision()
+        self._converts_input = type(self.precision).convert_input is not Precision.convert_input
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={type(self.strategy).__name__}, precision={type(self.precision).__name__})"
@@ -143,16 +144,19 @@ class TrainerBackend:
     def move_to_device(self, batch: Any) -> Any:
         """``batch`` with every tensor inside it on :attr:`device`.
 
-        On a CPU device the batch is returned as it is: loaders yield CPU tensors, and
-        walking the batch would cost more than a small model's step.
+        On a CPU device the batch is not walked: loaders yield CPU tensors, and walking the
+        batch would cost more than a small model's step. A precision that converts inputs
+        (true bf16) then casts its floating tensors.
         """
-        if self.strategy.device.type == "cpu":
-            return batch
-        return move_to_device(batch, self.device)
+        if self.strategy.device.type != "cpu":
+            batch = move_to_device(batch, self.device)
+        return self.precision.convert_input(batch) if self._converts_input else batch
 
     # -- steps ----------------------------------------------------------------------
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The module training forwards go through (DDP wraps it)."""
+        """The module training forwards go through: the precision converts it (true bf16), then the
+        strategy wraps it (DDP, FSDP)."""
+        self.precision.convert_module(module)
         return self.strategy.wrap_module(module)
 
     def forward(self, runner: Callable[..., Any], *args: Any) -> Any:

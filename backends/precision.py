@@ -8,6 +8,8 @@ from typing import Any, ContextManager, Dict, Optional, Sequence
 
 import torch
 
+from backends.batch import map_tensors
+
 _AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,6 +30,16 @@ class Precision:
 
     def setup(self, device: torch.device, amp_dtype: Optional[str]) -> None:
         """Called once the strategy knows the device."""
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module as this precision trains it, before the strategy wraps it and before the
+        optimizers are built (true bf16 casts it)."""
+        return module
+
+    def convert_input(self, batch: Any) -> Any:
+        """A batch as the forward receives it (true bf16 casts its floating tensors); only called
+        when a subclass overrides it."""
+        return batch
 
     def forward_context(self) -> ContextManager:
         """The context that train, val and test forwards run in."""
@@ -187,3 +199,43 @@ class MixedPrecision(Precision):
             self._pending_scaler_state = scaler_state
         else:
             self.scaler.load_state_dict(scaler_state)
+
+
+class TrueBF16(Precision):
+    """Parameters, gradients and optimizer state in bfloat16, with no fp32 master copy.
+
+    The module is cast to bfloat16 before the strategy wraps it (so ``ddp`` reduces bf16
+    gradients and ``fsdp`` shards bf16 parameters), the optimizers are built on the bf16
+    parameters (Adam's moments are bf16 too), and every floating tensor of a batch is cast to
+    bfloat16 (integer labels and token ids stay as they are). Checkpoints hold bf16 weights.
+    Half the memory of fp32 for the weights, gradients and optimizer state, and half the
+    communication; the price is that updates smaller than bf16's resolution (about 3
+    significant digits) are lost, which ``*-amp``'s fp32 master weights keep. See
+    ``docs/backends.md`` for when to pick which.
+
+    Example:
+        >>> precision = TrueBF16()
+        >>> precision.setup(torch.device("cpu"), amp_dtype=None)
+        >>> precision.convert_module(torch.nn.Linear(2, 2)).weight.dtype
+        torch.bfloat16
+        >>> precision.convert_input((torch.ones(1), torch.tensor([3])))
+        (tensor([1.], dtype=torch.bfloat16), tensor([3]))
+    """
+
+    name = "bf16-true"
+
+    def setup(self, device: torch.device, amp_dtype: Optional[str]) -> None:
+        if amp_dtype not in (None, "bfloat16"):
+            raise ValueError(f"amp_dtype={amp_dtype!r} does not apply to true bf16 precision; allowed: None, 'bfloat16'")
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"true bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} has none")
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(torch.bfloat16)
+
+    def convert_input(self, batch: Any) -> Any:
+        return map_tensors(batch, _to_bfloat16)
+
+
+def _to_bfloat16(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.bfloat16) if torch.is_floating_point(tensor) else tensor

@@ -7,7 +7,7 @@ from typing import Callable, Dict, List, Optional, TypeVar, Union
 from backends.base import TrainerBackend
 from backends.fsdp import FSDP
 from backends.plugins import register_entry_points
-from backends.precision import FullPrecision, MixedPrecision
+from backends.precision import FullPrecision, MixedPrecision, TrueBF16
 from backends.strategies import DDP, SingleProcess
 
 logger = logging.getLogger(__name__)
@@ -132,3 +132,6 @@ register_backend("ddp", lambda: TrainerBackend(DDP(), FullPrecision()))
 register_backend("ddp-amp", lambda: TrainerBackend(DDP(), MixedPrecision()))
 register_backend("fsdp", lambda: TrainerBackend(FSDP(), FullPrecision()))
 register_backend("fsdp-amp", lambda: TrainerBackend(FSDP(), MixedPrecision(default_dtype="bfloat16")))
+register_backend("sp-bf16", lambda: TrainerBackend(SingleProcess(), TrueBF16()))
+register_backend("ddp-bf16", lambda: TrainerBackend(DDP(), TrueBF16()))
+register_backend("fsdp-bf16", lambda: TrainerBackend(FSDP(), TrueBF16()))

@@ -70,7 +70,7 @@ class TrainerArguments:
     collect_train_outputs: bool = False
     """Keep every train step's outputs for ``on_end_train_epoch`` (off: nothing is kept)."""
     backend: str = "sp"
-    """Backend name: sp, sp-amp, ddp, ddp-amp, fsdp, fsdp-amp, or a registered plugin."""
+    """Backend name: sp, sp-amp, sp-bf16, ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, or a registered plugin."""
     amp_dtype: Optional[str] = None
     """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU."""
     find_unused_parameters: bool = False
@@ -81,6 +81,9 @@ class TrainerArguments:
     """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
     compile: bool = False
     """Compile the model for training with ``torch.compile`` (each sharding unit, or each child module)."""
+    activation_checkpointing: bool = False
+    """Recompute each sharding unit's activations in backward instead of keeping them (less memory, one more
+    forward per unit); applied before compile and FSDP sharding. Needs units (``sharding_units()``)."""
     use_gpu: Optional[bool] = None
     """None: a GPU when present; True: require one; False: CPU."""
     seed: int = 42

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from backends import TrainerBackend, build_backend, map_tensors
+from backends.activation_checkpointing import checkpoint_units
 from framework import checks, export
 from framework.arguments import TrainerArguments, micro_batch_plan
 from framework.callbacks.base import Callback, StopTraining
@@ -162,7 +163,7 @@ class Trainer(TrainerCheckpoints):
         except BaseException:
             self.backend.teardown()
             raise
-        module.to(self.device)
+        self.backend.precision.convert_module(module.to(self.device))  # true bf16: cast before any step
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -653,6 +654,8 @@ class Trainer(TrainerCheckpoints):
             self._run_lock = claim_run_lock(self.args.output_dir, self.backend)
         self._create_train_loader()
         if self._wrapped is None:
+            if self.args.activation_checkpointing:  # before the strategy compiles and shards the units
+                checkpoint_units(self.module)
             self._wrapped = self.backend.wrap_module(self._runner)
             self._forward = self.backend.step_function(self._wrapped, self._runner)
             self._parameters = [p for p in self.module.parameters() if p.requires_grad]

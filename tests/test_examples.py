@@ -4,6 +4,10 @@ import os
 import runpy
 import sys
 
+import torch
+
+import framework.checkpoint.safe_types  # noqa: F401 - numpy and random states in weights_only loading
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -44,3 +48,17 @@ def test_gan_example_trains_with_manual_optimization(tmp_path, capsys):
     assert 0.3 < loss < 0.9  # neither side has won: the discriminator is near chance (log 2 ~ 0.69)
     assert "final generator_loss=" in capsys.readouterr().out
     assert (tmp_path / "checkpoints").is_dir()
+
+
+def test_dqn_example_plays_into_its_buffer_and_trains(tmp_path, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        run = runpy.run_path(os.path.join(ROOT, "examples", "dqn.py"))
+        loss = run["main"](["--trainer.output_dir", str(tmp_path), "--trainer.disable_tqdm", "true", "--trainer.epochs", "2"])
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    assert 0.0 < loss < 1.0  # mean squared TD error of rewards in [-0.01, 1]
+    assert "final train_loss_epoch=" in capsys.readouterr().out
+    state = torch.load(tmp_path / "checkpoints" / "checkpoint-000000008.pt", weights_only=True)
+    buffer = state["trainer"]["ranks"][0]["module"]["buffer"]
+    assert buffer["size"] == 32 + 8  # the warm-up, then one environment step per train step

@@ -50,7 +50,8 @@ def kill_whole_job(out: str) -> None:
         with open(os.path.join(out, "pids", name)) as handle:
             pids.append(int(handle.read()))
     for pid in sorted(pids, key=lambda pid: pid == os.getpid()):
-        os.killpg(os.getpgid(pid), signal.SIGKILL)
+        if os.getsid(pid) == pid:  # a torchrun worker leads its own session: never a stranger's group
+            os.killpg(pid, signal.SIGKILL)
 
 
 class Killer(Callback):

@@ -9,6 +9,7 @@ from framework.loggers.registry import check_logger_choices
 from framework.preemption import parse_signals
 from framework.typed_fields import check_field_types
 
+PROFILERS = ("off", "throughput", "torch")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -84,6 +85,10 @@ class TrainerArguments:
     activation_checkpointing: bool = False
     """Recompute each sharding unit's activations in backward instead of keeping them (less memory, one more
     forward per unit); applied before compile and FSDP sharding. Needs units (``sharding_units()``)."""
+    profiler: str = "off"
+    """``"throughput"``: record samples/s, steps/s, MFU and peak CUDA memory at log points (``Throughput``);
+    ``"torch"``: that plus ``torch.profiler`` traces of a few steps under ``<output_dir>/profiler/``
+    (``TorchProfiler``); ``"off"``: neither."""
     use_gpu: Optional[bool] = None
     """None: a GPU when present; True: require one; False: CPU."""
     seed: int = 42
@@ -135,6 +140,7 @@ class TrainerArguments:
         _require(self.clip_grad_value is None or self.clip_grad_value > 0, "clip_grad_value", self.clip_grad_value, "None or > 0")
         _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
         _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")
+        _require(self.profiler in PROFILERS, "profiler", self.profiler, f"one of {PROFILERS}")
         _require(0 <= self.seed < 2**32, "seed", self.seed, "an integer from 0 to 2**32 - 1 (numpy's seed range)")
         _require(self.log_every_n_steps >= 1, "log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
         _require(self.ddp_timeout > 0, "ddp_timeout", self.ddp_timeout, "seconds > 0")

@@ -1,0 +1,67 @@
+"""gpu_batch_size_limit="auto": the micro-batch search (halving on torch.OutOfMemoryError), the
+same weights as the limit given by hand, no search again on resume."""
+
+import pytest
+import torch
+from logs import captured_log
+
+from toy import ToyModule, flat_parameters, toy_args
+
+from framework import Trainer, TrainerArguments
+from framework.checkpoint.arguments import DefaultCheckpointerArguments
+
+
+class LimitedMemory(ToyModule):
+    """Runs out of "device memory" (raises torch.OutOfMemoryError) on a batch above ``fits``."""
+
+    def __init__(self, fits: int, **kwargs) -> None:
+        super().__init__(dropout=0.2, **kwargs)  # dropout: the probes must leave the RNG as it was
+        self.fits = fits
+        self.sizes_tried = []
+
+    def train_step(self, global_step, batch, device):
+        self.sizes_tried.append(len(batch[0]))
+        if len(batch[0]) > self.fits:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (a batch of {len(batch[0])})")
+        return super().train_step(global_step, batch, device)
+
+
+def test_auto_finds_the_largest_fitting_micro_batch_and_trains_as_the_limit_by_hand(tmp_path):
+    common = dict(epochs=2, train_batch_size=32, log_level="INFO")
+    by_hand = Trainer(LimitedMemory(fits=10), toy_args(tmp_path / "hand", gpu_batch_size_limit=8, **common))
+    by_hand.train()
+
+    module = LimitedMemory(fits=10)
+    auto = Trainer(module, toy_args(tmp_path / "auto", gpu_batch_size_limit="auto", **common))
+    with captured_log() as messages:
+        auto.train()
+    assert module.sizes_tried[:3] == [32, 16, 8]  # the probes: halving until one fits
+    assert max(module.sizes_tried[3:]) == 8
+    assert (auto.train_step_batch_size, auto.gradient_accumulation) == (8, 4)
+    assert "gpu_batch_size_limit='auto': micro-batch 8, gradient accumulation 4 (the largest that fits)" in messages
+    assert torch.allclose(flat_parameters(auto.module), flat_parameters(by_hand.module), atol=1e-6, rtol=0)
+    assert auto.history.latest("train_loss") == pytest.approx(by_hand.history.latest("train_loss"), abs=1e-6)
+
+
+def test_a_resumed_run_uses_the_micro_batch_in_its_checkpoint_and_resumes_exactly(tmp_path):
+    args = dict(epochs=2, train_batch_size=32, gpu_batch_size_limit="auto")
+    straight = Trainer(LimitedMemory(fits=10), toy_args(tmp_path / "straight", **args))
+    straight.train()
+    checkpoints = DefaultCheckpointerArguments(period=0, save_at_end=True, resume="auto")
+    Trainer(LimitedMemory(fits=10), toy_args(tmp_path / "cut", checkpoints, max_steps=6, **args)).train()  # mid-epoch
+    resumed_module = LimitedMemory(fits=10)
+    resumed = Trainer(resumed_module, toy_args(tmp_path / "cut", checkpoints, **args))
+    resumed.train()
+    assert resumed.global_steps_finished == 16
+    assert set(resumed_module.sizes_tried) == {8}  # no probe of 32 or 16: the checkpoint's micro-batch
+    assert torch.allclose(flat_parameters(resumed.module), flat_parameters(straight.module), atol=1e-6, rtol=0)
+
+
+def test_auto_refusals_name_the_value():
+    with pytest.raises(ValueError, match=r"gpu_batch_size_limit='big'.*'auto'"):
+        TrainerArguments(gpu_batch_size_limit="big")
+
+
+def test_nothing_fits_is_an_error_naming_auto(tmp_path):
+    with pytest.raises(RuntimeError, match=r"gpu_batch_size_limit='auto': even a micro-batch of 1"):
+        Trainer(LimitedMemory(fits=0), toy_args(tmp_path, gpu_batch_size_limit="auto")).train()

@@ -8,6 +8,7 @@ import torch
 from framework.rng import capture_rng_state, restore_rng_state
 from framework.stage import Stage
 from framework.step_outputs import as_outputs
+from framework.tbptt import split_along_time
 
 if TYPE_CHECKING:  # pragma: no cover
     from framework.trainer import Trainer
@@ -47,8 +48,9 @@ def search_micro_batch(trainer: "Trainer") -> int:
     generators and step-logged values are put back.
 
     The probes run through the strategy's step without gradient synchronisation, so ddp runs
-    no collective inside them; under fsdp the forward all-gathers run, so the ranks must run
-    out of memory alike (same devices and batch shapes), which they do in a balanced job.
+    no gradient all-reduce inside them; ddp's buffer broadcast and fsdp's all-gathers still run
+    in forward, so the ranks must run out of memory alike (same devices and batch shapes),
+    as they do in a balanced job.
     """
     module, backend, wrapped = trainer.module, trainer.backend, trainer._wrapped
     if wrapped is None:
@@ -60,15 +62,17 @@ def search_micro_batch(trainer: "Trainer") -> int:
     def fits(size: int) -> bool:
         sampler = backend.sampler_factory(shuffle=True, seed=trainer.args.seed)
         batch = backend.move_to_device(next(iter(module.get_train_dataloader(sampler, size))))
+        tbptt = trainer.args.tbptt_steps  # then a step is one chunk along time, with no hidden state yet
+        step_inputs = (split_along_time(batch, tbptt)[0], trainer.device, None) if tbptt else (batch, trainer.device)
         try:
             with backend.no_sync(wrapped, skip_gradient_sync=True):
-                backend.backward(as_outputs(trainer._forward(Stage.TRAIN, 0, batch, trainer.device), "train_step")[0])
+                backend.backward(as_outputs(trainer._forward(Stage.TRAIN, 0, *step_inputs), "train_step")[0])
             return True
         except torch.OutOfMemoryError:
             logger.info("gpu_batch_size_limit='auto': a micro-batch of %d does not fit", size)
             return False
         finally:
-            del batch
+            del batch, step_inputs
             for parameter in module.parameters():
                 parameter.grad = None
             if trainer.device.type == "cuda":

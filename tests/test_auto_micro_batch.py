@@ -100,3 +100,23 @@ def test_on_two_ddp_ranks_the_smallest_fit_wins_and_rank_zero_writes_the_trace(t
     assert rank0["equal"] and rank1["equal"]
     assert len(rank0["steps/s"]) == len(rank1["steps/s"]) == 4  # 8 steps, logged every 2 (each rank its own clock)
     assert len(rank0["traces"]) == 1 and rank0["traces"][0].startswith("rank0")
+
+
+def test_with_tbptt_the_probe_runs_one_chunk_and_the_run_equals_the_limit_by_hand(tmp_path):
+    from test_loop_control import SequenceModule
+
+    class LimitedSequence(SequenceModule):
+        def train_step(self, global_step, batch, device, hiddens=None):
+            if len(batch[0]) > 4:
+                raise torch.OutOfMemoryError("out of memory")
+            return super().train_step(global_step, batch, device, hiddens)
+
+    common = dict(train_batch_size=16, tbptt_steps=5)
+    by_hand = Trainer(LimitedSequence(), toy_args(tmp_path / "hand", gpu_batch_size_limit=4, **common))
+    by_hand.train()
+    module = LimitedSequence()
+    auto = Trainer(module, toy_args(tmp_path / "auto", gpu_batch_size_limit="auto", **common))
+    auto.train()
+    assert module.seen[0] == (5, None)  # the probe that fit: the first chunk, no hidden state
+    assert (auto.train_step_batch_size, auto.gradient_accumulation) == (4, 4)
+    assert torch.allclose(flat_parameters(auto.module), flat_parameters(by_hand.module), atol=1e-6, rtol=0)

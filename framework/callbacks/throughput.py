@@ -32,7 +32,8 @@ class Throughput(Callback):
     and a peak is known, and ``peak_memory_gib`` (``torch.cuda.max_memory_allocated``) on CUDA.
 
     Times are host clocks read at log points, where the trainer reads losses back anyway: no
-    sync is added, so an interval is exact from the second log point on. Samples are
+    sync is added, so an interval is exact from the second log point on. Validation and
+    checkpoint saves inside an interval count in its time. Samples are
     ``train_batch_size`` per optimizer step (a partial last cycle counts as a full one).
 
     Args:
@@ -49,10 +50,13 @@ class Throughput(Callback):
         if peak_flops is not None and not peak_flops > 0:
             raise ValueError(f"Throughput(peak_flops={peak_flops!r}) is invalid; allowed: None or FLOP/s > 0")
         self.peak_flops = peak_flops
+        self._peak: Optional[float] = peak_flops
         self._last_time: Optional[float] = None
         self._last_step = 0
 
     def on_begin_train(self, global_step: int) -> None:
+        if self.peak_flops is None:
+            self._peak = known_peak_flops(self.trainer.device)
         self._last_time, self._last_step = time.perf_counter(), global_step
 
     def on_end_optimizer_step(self, global_step: int) -> None:
@@ -71,9 +75,8 @@ class Throughput(Callback):
         samples_per_second = steps * trainer.args.train_batch_size / seconds
         metrics = {"samples_per_second": samples_per_second, "steps_per_second": steps / seconds}
         flops_per_sample = getattr(trainer.module, "flops_per_sample", None)
-        peak = self.peak_flops if self.peak_flops is not None else known_peak_flops(trainer.device)
-        if flops_per_sample and peak:
-            metrics["mfu"] = samples_per_second * float(flops_per_sample) / (peak * trainer.backend.world_size)
+        if flops_per_sample and self._peak:
+            metrics["mfu"] = samples_per_second * float(flops_per_sample) / (self._peak * trainer.backend.world_size)
         if trainer.device.type == "cuda":
             metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
         return metrics

@@ -31,8 +31,9 @@ class Throughput(Callback):
     has a ``flops_per_sample`` attribute (training FLOPs of one sample, forward and backward)
     and a peak is known, and ``peak_memory_gib`` (``torch.cuda.max_memory_allocated``) on CUDA.
 
-    Times are host clocks read at log points, where the trainer reads losses back anyway: no
-    sync is added, so an interval is exact from the second log point on. Validation and
+    Times are host clocks read at log points: no sync is added. The loss read-back at each
+    log point keeps the host less than an interval ahead of the device, so in steady state
+    the rate is the device's; the first interval includes warm-up. Validation and
     checkpoint saves inside an interval count in its time. Samples are
     ``train_batch_size`` per optimizer step (a partial last cycle counts as a full one).
 

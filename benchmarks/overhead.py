@@ -5,7 +5,7 @@ of steps, alternating runs in one process; the figures are the ratio of median w
 the median of the per-pair ratios, framework / raw (targets: <= 1.05 with the progress bar and
 logging at their defaults, <= 1.03 with both off: ``--quiet``).
 
-    python benchmarks/overhead.py [--epochs 3] [--repeats 5] [--backend sp] [--quiet] [--clock cpu]
+    python benchmarks/overhead.py [--epochs 3] [--repeats 5] [--backend sp] [--quiet] [--clock cpu] [--profiler torch]
 """
 
 import argparse
@@ -82,9 +82,13 @@ class BenchmarkModule(ModuleInterface):
         return F.cross_entropy(self.net(x), y)
 
 
-def framework_loop(data: TensorDataset, epochs: int, backend: str, output_dir: str, quiet: bool = False) -> float:
+def framework_loop(
+    data: TensorDataset, epochs: int, backend: str, output_dir: str, quiet: bool = False, profiler: str = "off"
+) -> float:
     run_dir = tempfile.mkdtemp(dir=output_dir)  # a fresh directory per run: a run never reuses another's
-    args = TrainerArguments(epochs=epochs, train_batch_size=BATCH, backend=backend, seed=0, output_dir=run_dir, use_gpu=False)
+    args = TrainerArguments(
+        epochs=epochs, train_batch_size=BATCH, backend=backend, seed=0, output_dir=run_dir, use_gpu=False, profiler=profiler
+    )
     if quiet:  # progress bar and step logging off: the loop's own cost
         args.disable_tqdm, args.log_every_n_steps, args.log_level = True, 10**9, "WARNING"
     args.checkpointer_args.period = 0
@@ -101,6 +105,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--backend", default="sp")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--profiler", choices=("off", "throughput", "torch"), default="off", help="TrainerArguments.profiler")
     parser.add_argument("--quiet", action="store_true", help="progress bar and step logging off (target <= 1.03)")
     parser.add_argument(
         "--clock",
@@ -119,13 +124,16 @@ def main() -> None:
     raw_times, framework_times = [], []
     with tempfile.TemporaryDirectory() as output_dir:
         raw_loop(data, 1)  # warm-up both paths
-        framework_loop(data, 1, options.backend, output_dir, options.quiet)
+        framework_loop(data, 1, options.backend, output_dir, options.quiet, options.profiler)
         for _ in range(options.repeats):
             raw_times.append(raw_loop(data, options.epochs))
-            framework_times.append(framework_loop(data, options.epochs, options.backend, output_dir, options.quiet))
+            framework_times.append(
+                framework_loop(data, options.epochs, options.backend, output_dir, options.quiet, options.profiler)
+            )
     raw, framework = statistics.median(raw_times), statistics.median(framework_times)
     paired = statistics.median(f / r for f, r in zip(framework_times, raw_times))
     mode = "progress bar and logging off" if options.quiet else "defaults (progress bar, log every 50 steps)"
+    mode += f", profiler={options.profiler}"
     print(f"steps per run: {steps}, repeats: {options.repeats}, torch threads: {options.threads}, {mode}, {options.clock} clock")
     print(f"raw loop:        {raw:.3f} s median ({1e6 * raw / steps:.1f} us/step)")
     print(f"framework ({options.backend}): {framework:.3f} s median ({1e6 * framework / steps:.1f} us/step)")

@@ -9,6 +9,7 @@ from framework.loggers.registry import check_logger_choices
 from framework.preemption import parse_signals
 from framework.typed_fields import check_field_types
 
+PROFILERS = ("off", "throughput", "torch")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -37,8 +38,10 @@ class TrainerArguments:
     """Stop after this many seconds of wall-clock training (checked every optimizer step)."""
     train_batch_size: int = 32
     """Global batch size per optimizer step, summed over processes and micro-batches."""
-    gpu_batch_size_limit: Optional[int] = None
-    """Largest micro-batch per process; must divide the per-process batch."""
+    gpu_batch_size_limit: Optional[Union[int, str]] = None
+    """Largest micro-batch per process; must divide the per-process batch. ``"auto"``: the largest that fits
+    in device memory, found before training (probing forward and backward, halving on ``torch.OutOfMemoryError``)
+    and kept in checkpoints; gradient accumulation makes up the rest of the batch."""
     val_batch_size: Optional[int] = None
     """Evaluation batch per process (None: the training micro-batch)."""
     max_train_steps_per_epoch: Optional[Union[int, float]] = None
@@ -84,6 +87,10 @@ class TrainerArguments:
     activation_checkpointing: bool = False
     """Recompute each sharding unit's activations in backward instead of keeping them (less memory, one more
     forward per unit); applied before compile and FSDP sharding. Needs units (``sharding_units()``)."""
+    profiler: str = "off"
+    """``"throughput"``: record samples/s, steps/s, MFU and peak CUDA memory at log points (``Throughput``);
+    ``"torch"``: that plus ``torch.profiler`` traces of a few steps under ``<output_dir>/profiler/``
+    (``TorchProfiler``); ``"off"``: neither."""
     use_gpu: Optional[bool] = None
     """None: a GPU when present; True: require one; False: CPU."""
     seed: int = 42
@@ -119,7 +126,14 @@ class TrainerArguments:
         _require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")
         _require(self.min_epochs >= 0, "min_epochs", self.min_epochs, "an integer >= 0")
         _require(self.train_batch_size >= 1, "train_batch_size", self.train_batch_size, "an integer >= 1")
-        for name in ("max_steps", "gpu_batch_size_limit", "val_batch_size", "val_every_n_steps", "tbptt_steps"):
+        limit = self.gpu_batch_size_limit
+        _require(
+            limit in (None, "auto") or (isinstance(limit, int) and limit >= 1),
+            "gpu_batch_size_limit",
+            limit,
+            "None, 'auto' or an integer >= 1",
+        )
+        for name in ("max_steps", "val_batch_size", "val_every_n_steps", "tbptt_steps"):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, value, "None or an integer >= 1")
         for name in ("max_train_steps_per_epoch", "max_val_steps_per_epoch"):
@@ -135,6 +149,7 @@ class TrainerArguments:
         _require(self.clip_grad_value is None or self.clip_grad_value > 0, "clip_grad_value", self.clip_grad_value, "None or > 0")
         _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
         _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")
+        _require(self.profiler in PROFILERS, "profiler", self.profiler, f"one of {PROFILERS}")
         _require(0 <= self.seed < 2**32, "seed", self.seed, "an integer from 0 to 2**32 - 1 (numpy's seed range)")
         _require(self.log_every_n_steps >= 1, "log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
         _require(self.ddp_timeout > 0, "ddp_timeout", self.ddp_timeout, "seconds > 0")
@@ -154,8 +169,11 @@ def _require(ok: bool, name: str, value: object, allowed: str) -> None:
         raise ValueError(f"TrainerArguments.{name}={value!r} is invalid; allowed: {allowed}")
 
 
-def micro_batch_plan(train_batch_size: int, world_size: int, gpu_batch_size_limit: Optional[int]) -> "tuple[int, int]":
-    """Split the global batch into ``(micro_batch_size, gradient_accumulation)`` per process.
+def micro_batch_plan(
+    train_batch_size: int, world_size: int, gpu_batch_size_limit: Optional[Union[int, str]]
+) -> "tuple[int, int]":
+    """Split the global batch into ``(micro_batch_size, gradient_accumulation)`` per process
+    (``"auto"`` before its search: the whole per-process batch).
 
     Raises:
         ValueError: the batch does not split evenly over processes or micro-batches.
@@ -169,7 +187,7 @@ def micro_batch_plan(train_batch_size: int, world_size: int, gpu_batch_size_limi
             f"train_batch_size={train_batch_size} is not divisible by the world size {world_size}; use a multiple of {world_size}"
         )
     per_process = train_batch_size // world_size
-    if gpu_batch_size_limit is None or gpu_batch_size_limit >= per_process:
+    if not isinstance(gpu_batch_size_limit, int) or gpu_batch_size_limit >= per_process:
         return per_process, 1
     if per_process % gpu_batch_size_limit:
         divisors = [d for d in range(gpu_batch_size_limit, 0, -1) if per_process % d == 0][:3]

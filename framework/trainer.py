@@ -30,6 +30,7 @@ from framework.logging_setup import configure_logging
 from framework.loss_tracker import LossTracker, TrainingDiverged
 from framework.manual_optimization import ManualOptimization
 from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
+from framework.micro_batch_search import search_micro_batch
 from framework.module import ModuleInterface, StepRunner
 from framework.prediction import Predictor
 from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
@@ -141,6 +142,7 @@ class Trainer(TrainerCheckpoints):
         self._kept_outputs: List[Tuple[Any, ...]] = []
         self._pending_rng = PendingRng()
         self._restored = False
+        self._micro_batch_found = False  # gpu_batch_size_limit="auto": searched, or read from a checkpoint
         self._run_lock: Optional[RunLock] = None  # held by rank zero while train() runs
         self.run_id: Optional[str] = None
         """This run's id (in config.yaml and every checkpoint), known once training has set up."""
@@ -671,11 +673,7 @@ class Trainer(TrainerCheckpoints):
             for line in self.lr_schedules.describe(self.automatic_optimization):
                 logger.info(line)
             self._closure_optimizers = any(isinstance(o, torch.optim.LBFGS) for o in self.optimizers)
-            if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
-                raise ValueError(
-                    "LBFGS re-evaluates the loss itself: it needs gradient_accumulation == 1 (gpu_batch_size_limit "
-                    f"unset or >= the per-process batch, got accumulation {self.gradient_accumulation}) and no tbptt_steps"
-                )
+            self._check_closure_optimizers()
             if not self.automatic_optimization:
                 self.manual_optimization = ManualOptimization(
                     self.backend,
@@ -695,12 +693,40 @@ class Trainer(TrainerCheckpoints):
                 claim_run_directory(self.args.output_dir, self.checkpointer, self.backend)
             self._identity = StartingIdentity.read(self.args.output_dir, self.backend)
             self._restore_checkpoint()  # sets run_id: the resumed run's, or a new one
+            if self.args.gpu_batch_size_limit == "auto" and not self._micro_batch_found:
+                self._use_micro_batch(search_micro_batch(self), "the largest that fits")
         self._start_loggers()
         if self.is_main_process and not self.args.fast_dev_run:
             resolved_config(self.args).save(os.path.join(self.args.output_dir, "config.yaml"), run_id=self.run_id)
         self._start_time = time.monotonic()
         self._compile_started = time.perf_counter() if self.args.compile else None
         self.module.train()
+
+    def _check_closure_optimizers(self) -> None:
+        if self._closure_optimizers and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
+            raise ValueError(
+                "LBFGS re-evaluates the loss itself: it needs gradient_accumulation == 1 (gpu_batch_size_limit "
+                f"unset or >= the per-process batch, got accumulation {self.gradient_accumulation}) and no tbptt_steps"
+            )
+
+    def _use_micro_batch(self, size: int, why: str) -> None:
+        """``gpu_batch_size_limit="auto"``: train with micro-batches of ``size``, accumulating the
+        rest of the batch (the global batch does not change), from a train loader of that size."""
+        plan = micro_batch_plan(self.args.train_batch_size, self.backend.world_size, size)
+        if plan != (self.train_step_batch_size, self.gradient_accumulation):
+            self.train_step_batch_size, self.gradient_accumulation = plan
+            self._train_loader = None
+            self._create_train_loader()
+            self._check_closure_optimizers()
+        self._micro_batch_found = True
+        logger.info("gpu_batch_size_limit='auto': micro-batch %d, gradient accumulation %d (%s)", *plan, why)
+
+    def _use_saved_micro_batch(self, saved: Any) -> None:
+        """Adopt the micro-batch a checkpoint was trained with, unless it does not divide this run's
+        per-process batch (another world size): then the search runs again."""
+        per_process = self.args.train_batch_size // self.backend.world_size
+        if isinstance(saved, int) and 0 < saved <= per_process and per_process % saved == 0:
+            self._use_micro_batch(saved, "from the checkpoint")
 
     def _micro_batches_this_epoch(self) -> Optional[int]:
         steps = self.estimated_global_steps_per_epoch
@@ -734,6 +760,7 @@ def _check_optimization_mode(module: ModuleInterface, args: TrainerArguments, ac
         return True
     refused = {
         "gradient accumulation (train_batch_size / world size > gpu_batch_size_limit)": accumulation > 1,
+        "gpu_batch_size_limit='auto' (it may accumulate micro-batches)": args.gpu_batch_size_limit == "auto",
         "tbptt_steps (split the batch in train_step instead)": args.tbptt_steps is not None,
         "clip_grads / clip_grad_value (call self.clip_gradients in train_step)": args.clip_grads
         or args.clip_grad_value is not None,

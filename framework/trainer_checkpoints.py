@@ -55,6 +55,9 @@ class TrainerCheckpoints:
     run_id: Optional[str]
     _identity: StartingIdentity
 
+    def _use_saved_micro_batch(self, saved: Any) -> None:  # defined by Trainer
+        raise NotImplementedError
+
     @property
     def device(self) -> torch.device:
         """Where the module and batches live."""
@@ -181,6 +184,8 @@ class TrainerCheckpoints:
     def update_state(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`get_state` returned (optimizers must exist: call inside train)."""
         world_size = self.backend.world_size
+        if self.args.gpu_batch_size_limit == "auto":  # the micro-batch found before: no search on resume
+            self._use_saved_micro_batch(state.get("micro_batch_size"))
         self.progress.load_state_dict(state, world_size, self.train_step_batch_size, self.gradient_accumulation)
         ranks = state["ranks"]
         if len(ranks) != world_size:

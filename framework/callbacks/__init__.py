@@ -10,9 +10,11 @@ from framework.callbacks.early_stopping import EarlyStopping
 from framework.callbacks.ema import EMA
 from framework.callbacks.lr_monitor import LearningRateMonitor
 from framework.callbacks.model_summary import ModelSummary
+from framework.callbacks.profiler import TorchProfiler
 from framework.callbacks.progress import ProgressBar
 from framework.callbacks.swa import SWA
 from framework.callbacks.terminate_on_nan import TerminateOnNaN
+from framework.callbacks.throughput import Throughput
 from framework.callbacks.timer import Timer
 from framework.callbacks.weight_averaging import WeightAveraging
 
@@ -26,6 +28,8 @@ __all__ = [
     "ProgressBar",
     "StopTraining",
     "TerminateOnNaN",
+    "Throughput",
     "Timer",
+    "TorchProfiler",
     "WeightAveraging",
 ]

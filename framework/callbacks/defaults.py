@@ -4,7 +4,9 @@ from typing import TYPE_CHECKING, List, Sequence
 
 from framework.callbacks.base import Callback
 from framework.callbacks.model_summary import ModelSummary
+from framework.callbacks.profiler import TorchProfiler
 from framework.callbacks.progress import ProgressBar
+from framework.callbacks.throughput import Throughput
 
 if TYPE_CHECKING:  # pragma: no cover
     from framework.arguments import TrainerArguments
@@ -13,7 +15,8 @@ if TYPE_CHECKING:  # pragma: no cover
 def with_default_callbacks(callbacks: Sequence[Callback], args: "TrainerArguments") -> List[Callback]:
     """``callbacks`` with the defaults put first: a :class:`ModelSummary` (unless
     ``args.model_summary`` is False) and a :class:`ProgressBar` (unless ``args.disable_tqdm``),
-    each only when ``callbacks`` holds none of its kind.
+    each only when ``callbacks`` holds none of its kind; with ``args.profiler`` ``"throughput"`` or
+    ``"torch"`` a :class:`Throughput`, and with ``"torch"`` a :class:`TorchProfiler`, likewise.
 
     Example:
         >>> from framework import TrainerArguments
@@ -21,6 +24,8 @@ def with_default_callbacks(callbacks: Sequence[Callback], args: "TrainerArgument
         ['ModelSummary', 'ProgressBar']
         >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments(model_summary=False, disable_tqdm=True))]
         []
+        >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments(profiler="torch", disable_tqdm=True))]
+        ['ModelSummary', 'Throughput', 'TorchProfiler']
     """
     given = list(callbacks)
     defaults: List[Callback] = []
@@ -28,4 +33,8 @@ def with_default_callbacks(callbacks: Sequence[Callback], args: "TrainerArgument
         defaults.append(ModelSummary())
     if not args.disable_tqdm and not any(isinstance(callback, ProgressBar) for callback in given):
         defaults.append(ProgressBar())
+    if args.profiler != "off" and not any(isinstance(callback, Throughput) for callback in given):
+        defaults.append(Throughput())
+    if args.profiler == "torch" and not any(isinstance(callback, TorchProfiler) for callback in given):
+        defaults.append(TorchProfiler())
     return defaults + given

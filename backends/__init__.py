@@ -2,8 +2,8 @@
 
 Example:
     >>> from backends import build_backend, available_backends
-    >>> available_backends()[:4]
-    ['ddp', 'ddp-amp', 'fsdp', 'fsdp-amp']
+    >>> available_backends()[:6]
+    ['ddp', 'ddp-amp', 'ddp-bf16', 'fsdp', 'fsdp-amp', 'fsdp-bf16']
     >>> build_backend("sp")
     TrainerBackend(strategy=SingleProcess, precision=FullPrecision)
 """

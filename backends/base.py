@@ -154,9 +154,8 @@ class TrainerBackend:
 
     # -- steps ----------------------------------------------------------------------
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The module training forwards go through: the precision converts it (true bf16), then the
-        strategy wraps it (DDP, FSDP)."""
-        self.precision.convert_module(module)
+        """The module training forwards go through (DDP and FSDP wrap it; the trainer has already
+        let the precision convert it, see ``Precision.convert_module``)."""
         return self.strategy.wrap_module(module)
 
     def forward(self, runner: Callable[..., Any], *args: Any) -> Any:

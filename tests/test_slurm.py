@@ -206,14 +206,16 @@ def test_usr1_saves_requeues_and_the_requeued_job_ends_like_an_uninterrupted_run
     try:
         slurm_cluster.wait_for_job(job, lambda fields: "STEP 3" in (log.read_text() if log.exists() else ""), timeout=90)
         assert slurm_cluster.run(["scancel", "--signal=USR1", job], timeout=10).returncode == 0
-        # Rank 0 saves, then requeues: Slurm queues the job again with a BeginTime; start it now.
+        # Rank 0 saves, then requeues: Slurm queues the job again with a BeginTime; start it sooner.
+        # Not in the second of the kill: slurmd refuses a credential made in the second it revoked
+        # the job's last one ("Job N already killed, do not launch batch job"), so the job fails.
         slurm_cluster.wait_for_job(job, lambda fields: fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING")
-        slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=10)
+        slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"], timeout=10)
         fields = slurm_cluster.wait_for_job(job, lambda fields: fields.get("JobState") in ("COMPLETED", "FAILED"), timeout=120)
     finally:
         slurm_cluster.run(["scancel", job], timeout=10)
     output = log.read_text()
-    assert fields["JobState"] == "COMPLETED", f"{fields}\n{output}"
+    assert fields["JobState"] == "COMPLETED", f"{fields}\n{output}\n{slurm_cluster.logs()}"
     assert "SIGUSR1 received: saving a checkpoint" in output and "requeued the job" in output, output
     assert "attempt restart_count=0" in output and "attempt restart_count=1" in output
     assert "loaded checkpoint" in output and "FINISHED at step" in output

@@ -19,10 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from digits import DigitsArguments, DigitsClassifier
 
-from framework import Trainer
+from framework import Trainer, parse_config, seed_everything
 from framework.callbacks import EarlyStopping, LearningRateMonitor, ModelSummary, Timer
-from framework.config import parse_config
-from framework.rng import seed_everything
 
 # Defaults for this example; anything on the command line comes later and wins.
 DEFAULTS = [
@@ -71,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> Trainer:
             f"val_accuracy={history.latest('val_accuracy'):.4f}; {trainer.global_steps_finished} steps"
         )
         try:
-            from framework.plot import plot_metrics
+            from framework import plot_metrics
 
             print("curves:", plot_metrics(config.trainer.output_dir))
         except ImportError:

@@ -28,9 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from framework import ModuleInterface, Trainer
-from framework.config import parse_config
-from framework.rng import seed_everything
+from framework import ModuleInterface, Trainer, parse_config, seed_everything
 
 
 class ChainEnv:

@@ -12,8 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from digits import DigitsArguments, DigitsClassifier
 
-from framework import Trainer, seed_everything
-from framework.config import parse_config
+from framework import Trainer, parse_config, seed_everything
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.yaml")
 

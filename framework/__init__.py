@@ -4,14 +4,31 @@ Example:
     >>> from framework import ModuleInterface, Trainer, TrainerArguments, Stage
 """
 
-from framework.arguments import TrainerArguments
-from framework.loss_tracker import TrainingDiverged
+import importlib
+from typing import Any
+
+from framework.data.rng import seed_everything
+from framework.data.sample_randomness import sample_generator, sample_seed
+from framework.loop.stage import Stage
+from framework.loop.trainer import Trainer
+from framework.metrics.loss_tracker import TrainingDiverged
 from framework.module import ModuleInterface
-from framework.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-from framework.rng import seed_everything
-from framework.sample_randomness import sample_generator, sample_seed
-from framework.stage import Stage
-from framework.trainer import Trainer
+from framework.run.arguments import TrainerArguments
+from framework.run.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+
+# Loaded on first use: the config parser (yaml), reading predictions back, plotting (matplotlib).
+_LAZY = {
+    "parse_config": "framework.run.config",
+    "load_predictions": "framework.evaluation.prediction",
+    "plot_metrics": "framework.metrics.plot",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'framework' has no attribute {name!r}")
+
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
@@ -21,6 +38,9 @@ __all__ = [
     "TrainerArguments",
     "TrainingDiverged",
     "TrainingPreempted",
+    "load_predictions",
+    "parse_config",
+    "plot_metrics",
     "sample_generator",
     "sample_seed",
     "seed_everything",

@@ -13,7 +13,7 @@ import torch
 
 from framework.checkpoint import storage
 from framework.checkpoint.safetensors_io import SUFFIX, ShardSize, parse_shard_size, save_safetensors
-from framework.evaluation_weights import CheckpointChoice, load_evaluation_weights, on_main_then_everywhere
+from framework.evaluation.weights import CheckpointChoice, load_evaluation_weights, on_main_then_everywhere
 
 logger = logging.getLogger("framework")
 

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence,
 import torch
 from torch.utils.data import DataLoader
 
-from framework.hooks import TrainingHooks
-from framework.manual_optimization import ManualOptimization, one_or_list
-from framework.stage import Stage
+from framework.loop.hooks import TrainingHooks
+from framework.loop.manual_optimization import ManualOptimization, one_or_list
+from framework.loop.stage import Stage
 
 if TYPE_CHECKING:
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
 Loaders = Union[None, DataLoader, Dict[str, DataLoader]]
 

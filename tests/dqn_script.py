@@ -33,7 +33,7 @@ from toy import flat_parameters  # noqa: E402
 from framework import Trainer, TrainerArguments  # noqa: E402
 from framework.callbacks import Callback  # noqa: E402
 from framework.checkpoint import DefaultCheckpointerArguments  # noqa: E402
-from framework.rng import seed_everything  # noqa: E402
+from framework.data.rng import seed_everything  # noqa: E402
 
 
 def kill_whole_job(out: str) -> None:

@@ -31,7 +31,7 @@ from framework.callbacks.lr_monitor import learning_rates
 from framework.callbacks.model_summary import summary_rows
 from framework.checkpoint import DefaultCheckpointer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
-from framework.metrics import MetricHistory
+from framework.metrics.collector import MetricHistory
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 

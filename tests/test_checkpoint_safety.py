@@ -34,7 +34,7 @@ from framework.checkpoint import (
     storage,
 )
 from framework.checkpoint.default import STALE_SUFFIX, checkpoint_name
-from framework.run_directory import check_output_dir_free
+from framework.run.run_directory import check_output_dir_free
 
 STEPS_PER_EPOCH = 4  # ToyModule(n_train=128) at batch 32
 

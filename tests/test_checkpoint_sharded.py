@@ -28,7 +28,7 @@ from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback
 from framework.checkpoint import RunDirectoryInUse, load_weights
 from framework.checkpoint.default import checkpoint_name
-from framework.run_directory import check_output_dir_free
+from framework.run.run_directory import check_output_dir_free
 
 STEPS = 8  # 2 epochs of 4 steps (64 samples, global batch 16)
 

@@ -11,11 +11,12 @@ from torch.utils.data import DataLoader
 
 from toy import ToyModule
 
-from framework import Trainer, TrainerArguments, checks
+from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.checks import CheckpointMismatch
-from framework.config import parse_config
+from framework.run import checks
+from framework.run.checks import CheckpointMismatch
+from framework.run.config import parse_config
 
 
 def arguments(tmp_path, **values):

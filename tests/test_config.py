@@ -1,4 +1,4 @@
-"""framework.config: YAML + dotted overrides, type checks, suggestions, --help, user sections,
+"""framework.run.config: YAML + dotted overrides, type checks, suggestions, --help, user sections,
 and the config.yaml the trainer writes."""
 
 import dataclasses
@@ -11,7 +11,7 @@ import yaml
 from toy import ToyModule
 
 from framework import Trainer, TrainerArguments
-from framework.config import ConfigError, RunConfig, convert, format_help, parse_config, resolved_config
+from framework.run.config import ConfigError, RunConfig, convert, format_help, parse_config, resolved_config
 
 
 @dataclass
@@ -252,7 +252,7 @@ def test_the_trainer_writes_the_resolved_config_with_user_sections(tmp_path):
     assert resolved_config(config.trainer) is config
     Trainer(ToyModule(val_loaders=0), config.trainer).train()
     saved = yaml.safe_load((out / "config.yaml").read_text())
-    assert len(saved.pop("run_id")) == 32  # the run's id first (framework/run_identity.py)
+    assert len(saved.pop("run_id")) == 32  # the run's id first (framework/run/run_identity.py)
     assert saved == config.to_dict() and saved["model"]["width"] == 5 and saved["trainer"]["output_dir"] == str(out)
 
     # Arguments built in code: the trainer and checkpointer sections.

@@ -355,7 +355,7 @@ class ReplayStream(torch.utils.data.IterableDataset):
 
 def test_a_stream_split_by_rank_is_named_with_the_items_it_discards():
     from backends.streams import shard_stream
-    from framework.loader_plan import stream_share_problem
+    from framework.data.loader_plan import stream_share_problem
 
     loader = shard_stream(torch.utils.data.DataLoader(ReplayStream(40), batch_size=4), rank=0, world_size=2)
     problem = stream_share_problem(loader, [len(loader), len(loader)], [40, 40])
@@ -364,7 +364,7 @@ def test_a_stream_split_by_rank_is_named_with_the_items_it_discards():
 
 
 def test_uneven_per_rank_streams_say_how_many_batches_are_dropped_per_epoch():
-    from framework.loader_plan import stream_share_problem
+    from framework.data.loader_plan import stream_share_problem
 
     loader = torch.utils.data.DataLoader(ReplayStream(40, shards_itself=True), batch_size=4)
     problem = stream_share_problem(loader, [10, 13], [40, 52])

@@ -21,7 +21,7 @@ from backends.environments import (
 )
 from backends.hostlist import expand_hostlist, first_host
 from framework import TrainerArguments
-from framework.config import parse_config
+from framework.run.config import parse_config
 
 # What the real Slurm 22.05 sets (recorded on the test cluster): task 1 of `srun -n 2`,
 # and the batch script of `sbatch -n 2` (no SLURM_STEP_ID there).

@@ -1,4 +1,4 @@
-"""Orphaned workers (framework/launcher_watch.py) and the run lock under torchrun (2 gloo ranks).
+"""Orphaned workers (framework/run/launcher_watch.py) and the run lock under torchrun (2 gloo ranks).
 
 One real torchrun job trains ``tests/resume_script.py``; the same command started again
 meanwhile (a double submit) is refused on both ranks, naming the holder. Then the first
@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from framework.run_lock import LOCK_NAME
+from framework.run.run_lock import LOCK_NAME
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -16,10 +16,10 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.config import parse_config
 from framework.loggers import Logger, available_loggers, build_loggers, register_logger, unregister_logger
 from framework.loggers.csv_logger import CSVLogger
 from framework.loggers.tensorboard_logger import TensorBoardLogger
+from framework.run.config import parse_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")

@@ -13,7 +13,7 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.callbacks import Callback, StopTraining
-from framework.tbptt import split_along_time
+from framework.loop.tbptt import split_along_time
 
 # These tests run with the library's own seed, log level and checkpointing.
 make_args = functools.partial(toy_args, train_batch_size=16, seed=42, log_level="INFO", checkpointer_args={})

@@ -15,7 +15,7 @@ from toy import flat_parameters
 from backends import MixedPrecision, ResumableSampler, SingleProcess, TrainerBackend
 from framework import ModuleInterface, Trainer, TrainerArguments
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.rng import seed_everything
+from framework.data.rng import seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 from gan import DigitsGAN, GANArguments

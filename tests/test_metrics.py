@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from toy import ToyModule, toy_args
 
-import framework.trainer as trainer_module
+import framework.loop.trainer as trainer_module
 from framework import Trainer, TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
-from framework.metrics import MetricCollector, reduce_metrics
+from framework.metrics.collector import MetricCollector, reduce_metrics
 
 make_args = functools.partial(toy_args, train_batch_size=32)
 

@@ -1,4 +1,4 @@
-"""Optimizer changes on resume (framework/optimizer_changes.py): another class is an error, a
+"""Optimizer changes on resume (framework/loop/optimizer_changes.py): another class is an error, a
 changed hyperparameter a warning (the configured value is used), a scheduled lr no change.
 
 Real trainers write a checkpoint; the same directory is resumed with other optimizers.
@@ -13,7 +13,7 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.checks import CheckpointMismatch
+from framework.run.checks import CheckpointMismatch
 
 
 class Configurable(ToyModule):

@@ -1,4 +1,4 @@
-"""python -m framework.plot: metrics.csv -> a PNG of training and validation curves."""
+"""python -m framework.metrics.plot: metrics.csv -> a PNG of training and validation curves."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from framework.loggers import CSVLogger, RunInfo
-from framework.plot import main, panel_of, plot_metrics, read_metrics
+from framework.metrics.plot import main, panel_of, plot_metrics, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,7 +81,7 @@ def test_command_line_writes_the_png_and_reports_errors(tmp_path, capsys):
 def test_python_dash_m_framework_plot(tmp_path):
     write_run(tmp_path)
     result = subprocess.run(
-        [sys.executable, "-m", "framework.plot", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "framework.metrics.plot", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"wrote {tmp_path / 'metrics.png'}"

@@ -15,7 +15,7 @@ from toy import ToyModule
 from framework import Trainer, TrainerArguments
 from framework.checkpoint import load_weights
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
-from framework.prediction import load_predictions
+from framework.evaluation.prediction import load_predictions
 
 N_VAL = 33  # not a multiple of the batch or of the world size
 

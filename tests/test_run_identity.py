@@ -1,4 +1,4 @@
-"""Run identity (framework/run_identity.py): an id in config.yaml and every checkpoint, checked on resume.
+"""Run identity (framework/run/run_identity.py): an id in config.yaml and every checkpoint, checked on resume.
 
 Real trainers write real files; a checkpoint is "copied in" from another run with shutil.
 """
@@ -15,8 +15,8 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.config import parse_config
-from framework.run_identity import ForeignCheckpoint, recorded_run_id
+from framework.run.config import parse_config
+from framework.run.run_identity import ForeignCheckpoint, recorded_run_id
 
 
 def checkpoints(**overrides):

@@ -1,4 +1,4 @@
-"""The run lock (framework/run_lock.py): one live run per output directory.
+"""The run lock (framework/run/run_lock.py): one live run per output directory.
 
 Real processes hold real lock files; a dead holder is a real process that has exited.
 The 2-rank refusal (every rank exits) is tested under torchrun in test_launcher_watch.py.
@@ -18,7 +18,7 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.run_lock import LOCK_NAME, STALE_AFTER_SECONDS, RunLocked
+from framework.run.run_lock import LOCK_NAME, STALE_AFTER_SECONDS, RunLocked
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")
@@ -113,7 +113,7 @@ def test_the_lock_is_released_when_training_raises(tmp_path):
 
 
 def test_the_heartbeat_is_refreshed_and_a_taken_over_lock_is_left_to_its_new_holder(tmp_path, framework_log):
-    from framework.run_lock import RunLock
+    from framework.run.run_lock import RunLock
 
     lock = RunLock(str(tmp_path), heartbeat_seconds=0.05)
     lock.acquire()

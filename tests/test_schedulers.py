@@ -15,7 +15,7 @@ from toy import ToyModule, flat_parameters
 from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
-from framework.schedulers import LRSchedules, ScheduledLR, scheduled_lr
+from framework.loop.schedulers import LRSchedules, ScheduledLR, scheduled_lr
 
 EPOCHS, BATCH, N_TRAIN, LR = 3, 16, 128, 0.05
 STEPS_PER_EPOCH = N_TRAIN // BATCH

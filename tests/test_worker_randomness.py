@@ -14,7 +14,7 @@ from toy import ToyModule, flat_parameters
 import framework
 from framework import Trainer, TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
-from framework.sample_randomness import LoaderSeeding, derive_seed, sample_seed
+from framework.data.sample_randomness import LoaderSeeding, derive_seed, sample_seed
 
 N_TRAIN, BATCH = 64, 8  # 8 steps per epoch
 

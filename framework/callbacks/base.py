@@ -2,10 +2,10 @@
 
 from typing import TYPE_CHECKING, Any, Dict
 
-from framework.hooks import TrainingHooks
+from framework.loop.hooks import TrainingHooks
 
 if TYPE_CHECKING:
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
 
 class StopTraining(Exception):

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 
 from framework.callbacks.weight_averaging import WeightAveraging
-from framework.stage import Stage
+from framework.loop.stage import Stage
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from framework.checkpoint.checkpoint import Checkpoint
 from framework.checkpoint.default import DefaultCheckpointer
 from framework.checkpoint.storage import CheckpointRefused, CheckpointWriteError, CorruptCheckpoint
 from framework.checkpoint.weights import load_weights
-from framework.run_directory import RunDirectoryInUse
+from framework.run.run_directory import RunDirectoryInUse
 
 __all__ = [
     "AbstractCheckpointer",

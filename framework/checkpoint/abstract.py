@@ -72,7 +72,7 @@ class AbstractCheckpointer(abc.ABC):
 
     def prepare_run(self) -> None:
         """Called once on rank zero at setup, before anything is written: refuse (raise
-        :class:`framework.run_directory.RunDirectoryInUse`) when the save location holds another
+        :class:`framework.run.run_directory.RunDirectoryInUse`) when the save location holds another
         run's checkpoints that this run does not continue; tidy leftovers of killed saves."""
 
     def is_step_save_due(self, global_step: int) -> bool:
@@ -90,7 +90,7 @@ class AbstractCheckpointer(abc.ABC):
 
     def resumed_automatically(self) -> bool:
         """True when the checkpoint :meth:`load` returned was found by ``resume="auto"`` in this
-        run's own save location (it must then be this run's: see framework/run_identity.py);
+        run's own save location (it must then be this run's: see framework/run/run_identity.py);
         False when the user named it (``load_dir``/``load_filename``)."""
         return False
 

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from framework.typed_fields import check_field_types
+from framework.run.typed_fields import check_field_types
 
 
 @dataclass

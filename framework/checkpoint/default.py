@@ -19,7 +19,7 @@ from framework.checkpoint.checkpoint import Checkpoint
 from framework.checkpoint.file_io import FileIO
 from framework.checkpoint.finite import best_first, first_non_finite_tensor, is_finite_score
 from framework.checkpoint.plan import describe_checkpointing
-from framework.run_directory import RUN_ENTRY, RunDirectoryInUse, ways_on
+from framework.run.run_directory import RUN_ENTRY, RunDirectoryInUse, ways_on
 
 logger = logging.getLogger(__name__)
 

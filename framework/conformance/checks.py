@@ -14,14 +14,14 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from framework.arguments import TrainerArguments
 from framework.callbacks import Callback, EarlyStopping
 from framework.checkpoint import DefaultCheckpointerArguments
 from framework.conformance.models import KitNet, KitTwoOptimizers, full_parameters
-from framework.loss_tracker import TrainingDiverged
-from framework.preemption import TrainingPreempted
-from framework.rng import seed_everything
-from framework.trainer import Trainer
+from framework.data.rng import seed_everything
+from framework.loop.trainer import Trainer
+from framework.metrics.loss_tracker import TrainingDiverged
+from framework.run.arguments import TrainerArguments
+from framework.run.preemption import TrainingPreempted
 
 
 @dataclass

@@ -13,7 +13,7 @@ def artifact_paths(output_dir: str) -> List[str]:
     csv_path = os.path.join(output_dir, "metrics.csv")
     if os.path.exists(csv_path):
         try:
-            from framework.plot import plot_metrics
+            from framework.metrics.plot import plot_metrics
 
             paths.append(plot_metrics(csv_path))
         except (ImportError, ValueError) as error:  # no matplotlib, or nothing to draw

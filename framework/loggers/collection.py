@@ -15,7 +15,7 @@ def run_status(error: BaseException) -> str:
         >>> run_status(KeyboardInterrupt()), run_status(ValueError())
         ('KILLED', 'FAILED')
     """
-    from framework.preemption import TrainingPreempted
+    from framework.run.preemption import TrainingPreempted
 
     return KILLED if isinstance(error, (TrainingPreempted, KeyboardInterrupt)) else FAILED
 

@@ -12,7 +12,7 @@ class CSVLogger(Logger):
 
     On start the file is rewritten from the history, so after a resume it holds exactly the
     values of the resumed run (nothing from steps that were lost). The trainer first makes sure
-    the file is its own run's (:func:`framework.run_directory.check_output_dir_free`): a new
+    the file is its own run's (:func:`framework.run.run_directory.check_output_dir_free`): a new
     run refuses an ``output_dir`` holding another run's ``metrics.csv``, so this never
     truncates another run's values.
 

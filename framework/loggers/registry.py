@@ -8,7 +8,7 @@ from backends.plugins import register_entry_points
 from framework.loggers.base import Logger
 
 if TYPE_CHECKING:
-    from framework.arguments import TrainerArguments
+    from framework.run.arguments import TrainerArguments
 
 logger = logging.getLogger("framework")
 

@@ -12,12 +12,12 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from backends import TrainerBackend, map_tensors
 from backends.samplers import ResumableSampler
-from framework.arguments import TrainerArguments
 from framework.checkpoint import storage
-from framework.evaluation_weights import on_main_then_everywhere
-from framework.metrics import infer_batch_size
+from framework.evaluation.weights import on_main_then_everywhere
+from framework.loop.step_outputs import concatenate_outputs
+from framework.metrics.collector import infer_batch_size
 from framework.module import ModuleInterface
-from framework.step_outputs import concatenate_outputs
+from framework.run.arguments import TrainerArguments
 
 logger = logging.getLogger("framework")
 

@@ -1,6 +1,6 @@
 """Draw a run's training and validation curves from ``metrics.csv`` to a PNG.
 
-Usage: ``python -m framework.plot OUTPUT_DIR [-o metrics.png] [--metrics loss,accuracy]``
+Usage: ``python -m framework.metrics.plot OUTPUT_DIR [-o metrics.png] [--metrics loss,accuracy]``
 (needs the ``[plot]`` extra: matplotlib).
 """
 
@@ -145,8 +145,8 @@ def plot_metrics(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    """The ``python -m framework.plot`` command line."""
-    parser = argparse.ArgumentParser(prog="python -m framework.plot", description="Draw metrics.csv curves to a PNG.")
+    """The ``python -m framework.metrics.plot`` command line."""
+    parser = argparse.ArgumentParser(prog="python -m framework.metrics.plot", description="Draw metrics.csv curves to a PNG.")
     parser.add_argument("source", help="the run's output_dir, or a metrics.csv file")
     parser.add_argument("-o", "--output", help="PNG path (default: metrics.png next to metrics.csv)")
     parser.add_argument("--metrics", help="comma-separated panels to draw, e.g. loss,accuracy (default: all)")
@@ -156,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     try:
         path = plot_metrics(options.source, options.output, panels, options.title)
     except (FileNotFoundError, ValueError, ImportError) as error:
-        parser.exit(2, f"python -m framework.plot: error: {error}\n")
+        parser.exit(2, f"python -m framework.metrics.plot: error: {error}\n")
     print(f"wrote {path}")
     return path
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from framework.hooks import TrainingHooks
+from framework.loop.hooks import TrainingHooks
 
 logger = logging.getLogger("framework")
 
@@ -146,7 +146,7 @@ def report_no_loaders(method: str) -> None:
 
 # -- hooks -------------------------------------------------------------------------------------
 def hook_names() -> List[str]:
-    """The hooks of :class:`~framework.hooks.TrainingHooks`, in definition order."""
+    """The hooks of :class:`~framework.loop.hooks.TrainingHooks`, in definition order."""
     return [name for name in vars(TrainingHooks) if name.startswith("on_") and callable(getattr(TrainingHooks, name))]
 
 
@@ -340,7 +340,7 @@ def naming_missing_keys(checkpoint_path: Optional[str], part: str = "trainer sta
         ...     {}["ranks"]
         Traceback (most recent call last):
         ...
-        framework.checks.CheckpointMismatch: checkpoint ckpt.pt: its trainer state has no 'ranks' entry; it was not written by this trainer (or by an incompatible version)
+        framework.run.checks.CheckpointMismatch: checkpoint ckpt.pt: its trainer state has no 'ranks' entry; it was not written by this trainer (or by an incompatible version)
     """  # noqa: E501 - a doctest's expected error message is one line
     try:
         yield

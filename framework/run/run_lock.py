@@ -39,7 +39,7 @@ class RunLocked(RuntimeError):
         >>> raise RunLocked("output_dir 'runs/a' is in use by a live run (pid 4242 on host node1, ...)")
         Traceback (most recent call last):
         ...
-        framework.run_lock.RunLocked: output_dir 'runs/a' is in use by a live run (pid 4242 on host node1, ...)
+        framework.run.run_lock.RunLocked: output_dir 'runs/a' is in use by a live run (pid 4242 on host node1, ...)
     """
 
 
@@ -93,7 +93,7 @@ class RunLock:
         >>> RunLock(lock.output_dir).acquire()
         Traceback (most recent call last):
         ...
-        framework.run_lock.RunLocked: output_dir ... is in use by a live run (pid ...
+        framework.run.run_lock.RunLocked: output_dir ... is in use by a live run (pid ...
         >>> lock.release()
     """
 

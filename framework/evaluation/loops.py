@@ -6,13 +6,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from backends import TrainerBackend
-from framework.arguments import TrainerArguments
-from framework.checks import report_no_loaders
-from framework.hooks import HookDispatcher
-from framework.metrics import MetricCollector, infer_batch_size, reduce_metrics
+from framework.loop.hooks import HookDispatcher
+from framework.loop.stage import Stage
+from framework.loop.step_outputs import as_outputs, concatenate_outputs
+from framework.metrics.collector import MetricCollector, infer_batch_size, reduce_metrics
 from framework.module import ModuleInterface, as_loader_dict
-from framework.stage import Stage
-from framework.step_outputs import as_outputs, concatenate_outputs
+from framework.run.arguments import TrainerArguments
+from framework.run.checks import report_no_loaders
 
 
 class Evaluator:

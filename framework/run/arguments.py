@@ -6,8 +6,8 @@ from typing import List, Optional, Union
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.loggers.base import Logger
 from framework.loggers.registry import check_logger_choices
-from framework.preemption import parse_signals
-from framework.typed_fields import check_field_types
+from framework.run.preemption import parse_signals
+from framework.run.typed_fields import check_field_types
 
 PROFILERS = ("off", "throughput", "torch")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -12,41 +12,42 @@ from torch.utils.data import DataLoader
 
 from backends import TrainerBackend, build_backend, map_tensors
 from backends.activation_checkpointing import checkpoint_units
-from framework import checks, export
-from framework.arguments import TrainerArguments, micro_batch_plan
+from framework import export
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer
 from framework.checkpoint.default import default_checkpointer
-from framework.config import resolved_config
-from framework.evaluation import Evaluator
-from framework.evaluation_weights import best_checkpoint_url, load_evaluation_weights
-from framework.hooks import HookDispatcher
-from framework.launcher_watch import LauncherWatch
-from framework.loader_plan import RecordingSampler, warn_about_stream_shares, warn_if_loader_ignores_plan
-from framework.loader_position import LoaderPosition
+from framework.data.loader_plan import RecordingSampler, warn_about_stream_shares, warn_if_loader_ignores_plan
+from framework.data.loader_position import LoaderPosition
+from framework.data.rng import seed_everything
+from framework.data.sample_randomness import LoaderSeeding
+from framework.evaluation.loops import Evaluator
+from framework.evaluation.prediction import Predictor
+from framework.evaluation.weights import best_checkpoint_url, load_evaluation_weights
 from framework.loggers import LoggerSet, RunInfo, build_loggers, run_status
-from framework.logging_setup import configure_logging
-from framework.loss_tracker import LossTracker, TrainingDiverged
-from framework.manual_optimization import ManualOptimization
-from framework.metrics import MetricCollector, MetricHistory, reduce_metrics
-from framework.micro_batch_search import search_micro_batch
+from framework.loop.hooks import HookDispatcher
+from framework.loop.manual_optimization import ManualOptimization
+from framework.loop.micro_batch_search import search_micro_batch
+from framework.loop.schedule_errors import explain_exhausted_schedule
+from framework.loop.schedulers import LRSchedules, build_optimizers_schedules
+from framework.loop.stage import Stage
+from framework.loop.step_outputs import as_outputs, concatenate_outputs
+from framework.loop.tbptt import split_along_time
+from framework.loop.trainer_checkpoints import TrainerCheckpoints
+from framework.loop.training_state import PendingRng, TrainingProgress, accumulation_cycles
+from framework.metrics.collector import MetricCollector, MetricHistory, reduce_metrics
+from framework.metrics.loss_tracker import LossTracker, TrainingDiverged
 from framework.module import ModuleInterface, StepRunner
-from framework.prediction import Predictor
-from framework.preemption import PreemptionHandler, TrainingPreempted, parse_signals
-from framework.rng import seed_everything
-from framework.run_directory import claim_run_directory
-from framework.run_identity import StartingIdentity
-from framework.run_lock import RunLock, claim_run_lock
-from framework.run_start import log_run_start
-from framework.sample_randomness import LoaderSeeding
-from framework.schedule_errors import explain_exhausted_schedule
-from framework.schedulers import LRSchedules, build_optimizers_schedules
-from framework.stage import Stage
-from framework.step_outputs import as_outputs, concatenate_outputs
-from framework.tbptt import split_along_time
-from framework.trainer_checkpoints import TrainerCheckpoints
-from framework.training_state import PendingRng, TrainingProgress, accumulation_cycles
+from framework.run import checks
+from framework.run.arguments import TrainerArguments, micro_batch_plan
+from framework.run.config import resolved_config
+from framework.run.launcher_watch import LauncherWatch
+from framework.run.logging_setup import configure_logging
+from framework.run.preemption import PreemptionHandler, TrainingPreempted, parse_signals
+from framework.run.run_directory import claim_run_directory
+from framework.run.run_identity import StartingIdentity
+from framework.run.run_lock import RunLock, claim_run_lock
+from framework.run.run_start import log_run_start
 
 logger = logging.getLogger("framework")
 
@@ -128,7 +129,7 @@ class Trainer(TrainerCheckpoints):
         self.should_stop = False
         self.optimizers: List[torch.optim.Optimizer] = []
         self.schedulers: List[Any] = []
-        self.lr_schedules = LRSchedules()  # the schedulers with when each steps (framework/schedulers.py)
+        self.lr_schedules = LRSchedules()  # the schedulers with when each steps (framework/loop/schedulers.py)
         self.manual_optimization: Optional[ManualOptimization] = None
         self._train_loader: Optional[DataLoader] = None
         self._loader_length: Optional[int] = None
@@ -536,7 +537,7 @@ class Trainer(TrainerCheckpoints):
 
         Rank zero returns the outputs in dataset order (the other ranks None); with
         ``predictions_dir`` every rank writes its batches there as it goes and rank zero returns
-        the directory (read it with :func:`framework.prediction.load_predictions`).
+        the directory (read it with :func:`framework.evaluation.prediction.load_predictions`).
         ``checkpoint`` as in :meth:`validate`. Collective under DDP: call it on every rank.
         """
         load_evaluation_weights(self, checkpoint, "predict")

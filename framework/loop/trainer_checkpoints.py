@@ -1,6 +1,6 @@
 """The trainer's checkpoints: building its state, saving it on the right ranks, restoring it.
 
-Kept apart from the loop in :mod:`framework.trainer`, which inherits :class:`TrainerCheckpoints`.
+Kept apart from the loop in :mod:`framework.loop.trainer`, which inherits :class:`TrainerCheckpoints`.
 """
 
 import logging
@@ -9,19 +9,24 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from backends import TrainerBackend, map_tensors
-from framework import checks
-from framework.arguments import TrainerArguments
 from framework.callbacks.base import Callback
 from framework.checkpoint import AbstractCheckpointer, Checkpoint
-from framework.loader_position import LoaderPosition
+from framework.data.loader_position import LoaderPosition
+from framework.data.rng import capture_rng_state
 from framework.loggers import LoggerSet
-from framework.loss_tracker import LossTracker
-from framework.metrics import MetricCollector, MetricHistory
+from framework.loop.optimizer_changes import (
+    OPTIMIZER_TYPES_KEY,
+    ConfiguredHyperparameters,
+    check_optimizer_classes,
+    optimizer_types,
+)
+from framework.loop.training_state import PendingRng, TrainingProgress
+from framework.metrics.collector import MetricCollector, MetricHistory
+from framework.metrics.loss_tracker import LossTracker
 from framework.module import ModuleInterface
-from framework.optimizer_changes import OPTIMIZER_TYPES_KEY, ConfiguredHyperparameters, check_optimizer_classes, optimizer_types
-from framework.rng import capture_rng_state
-from framework.run_identity import RUN_ID_KEY, StartingIdentity
-from framework.training_state import PendingRng, TrainingProgress
+from framework.run import checks
+from framework.run.arguments import TrainerArguments
+from framework.run.run_identity import RUN_ID_KEY, StartingIdentity
 
 logger = logging.getLogger("framework")
 

@@ -3,7 +3,7 @@
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
 _EXHAUSTED = "Tried to step"  # torch's OneCycleLR: "Tried to step 231 times. The specified number of total steps is 230"
 

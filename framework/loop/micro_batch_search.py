@@ -5,13 +5,13 @@ from typing import TYPE_CHECKING, Callable, List
 
 import torch
 
-from framework.rng import capture_rng_state, restore_rng_state
-from framework.stage import Stage
-from framework.step_outputs import as_outputs
-from framework.tbptt import split_along_time
+from framework.data.rng import capture_rng_state, restore_rng_state
+from framework.loop.stage import Stage
+from framework.loop.step_outputs import as_outputs
+from framework.loop.tbptt import split_along_time
 
 if TYPE_CHECKING:  # pragma: no cover
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
 logger = logging.getLogger("framework")
 

@@ -22,9 +22,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import yaml
 
-from framework.arguments import TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
-from framework.run_identity import RUN_ID_KEY
+from framework.run.arguments import TrainerArguments
+from framework.run.run_identity import RUN_ID_KEY
 
 DEFAULT_SECTIONS: Dict[str, Type] = {"trainer": TrainerArguments, "checkpointer": DefaultCheckpointerArguments}
 SHORTCUTS = {"backend": "trainer.backend"}
@@ -77,7 +77,7 @@ class RunConfig:
 
     def save(self, path: str, run_id: Optional[str] = None) -> None:
         """Write the resolved configuration as YAML (loadable with ``--config``), with the
-        run's id first (``run_id``, which ``--config`` ignores: see framework/run_identity.py)."""
+        run's id first (``run_id``, which ``--config`` ignores: see framework/run/run_identity.py)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         data: Dict[str, Any] = {} if run_id is None else {RUN_ID_KEY: run_id}
         data.update(self.to_dict())

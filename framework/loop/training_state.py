@@ -5,7 +5,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional
 
-from framework.rng import restore_rng_state
+from framework.data.rng import restore_rng_state
 
 logger = logging.getLogger("framework")
 
@@ -128,7 +128,7 @@ class PendingRng:
     (restore after ``iter``). :meth:`apply` restores once and forgets.
 
     Example:
-        >>> from framework.rng import capture_rng_state
+        >>> from framework.data.rng import capture_rng_state
         >>> pending = PendingRng()
         >>> pending.set(capture_rng_state()); pending.apply(); pending.apply()
     """

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, List
 from backends.environments import LocalEnvironment
 
 if TYPE_CHECKING:  # pragma: no cover
-    from framework.trainer import Trainer
+    from framework.loop.trainer import Trainer
 
 logger = logging.getLogger("framework")
 

@@ -1,0 +1,1 @@
+"""Evaluation: validate, test and predict, and which weights they use."""

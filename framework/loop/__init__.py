@@ -1,0 +1,1 @@
+"""The training loop: the trainer, its hooks, steps, optimizers and schedulers, and its checkpoints."""

@@ -1,0 +1,1 @@
+"""Metrics: the collector behind ``module.log``, the training-loss tracker, and plots."""

@@ -13,7 +13,7 @@ import torch
 
 from framework.checkpoint import storage
 from framework.checkpoint.safetensors_io import SUFFIX, ShardSize, parse_shard_size, save_safetensors
-from framework.evaluation.weights import CheckpointChoice, load_evaluation_weights, on_main_then_everywhere
+from framework.evaluation.weights import CheckpointChoice, on_main_then_everywhere
 
 logger = logging.getLogger("framework")
 
@@ -38,7 +38,7 @@ def export_weights(trainer: Any, path: str, checkpoint: CheckpointChoice = None,
     parse_shard_size(max_shard_size)
     if max_shard_size is not None and not str(path).endswith(SUFFIX):
         raise ValueError(f"export_weights({path!r}, max_shard_size={max_shard_size!r}): only .safetensors files are sharded")
-    load_evaluation_weights(trainer, checkpoint, "export_weights")
+    trainer.load_checkpoint_weights(checkpoint, "export_weights")
     state = trainer.backend.strategy.unsharded(trainer.module.state_dict())  # fsdp: gathered on every rank
 
     def write() -> str:
@@ -83,7 +83,7 @@ def export_program(
         )
     if type(trainer.module).forward is torch.nn.Module.forward:
         raise TypeError(f"export(): {type(trainer.module).__name__} has no forward(); define the inference computation there")
-    load_evaluation_weights(trainer, checkpoint, "export")
+    trainer.load_checkpoint_weights(checkpoint, "export")
     module = trainer.module
 
     def write() -> str:

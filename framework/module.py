@@ -11,7 +11,8 @@ from framework.loop.manual_optimization import ManualOptimization, one_or_list
 from framework.loop.stage import Stage
 
 if TYPE_CHECKING:
-    from framework.loop.trainer import Trainer
+    from framework.loop.view import TrainerView
+    from framework.metrics.collector import MetricCollector
 
 Loaders = Union[None, DataLoader, Dict[str, DataLoader]]
 
@@ -125,10 +126,18 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         self.load_state_dict(state["model"])
 
     # -- where the module runs ---------------------------------------------------------
+    _trainer: Optional["TrainerView"] = None  # set by attach()
+    _metric_logger: Optional["MetricCollector"] = None  # where self.log records; None: nowhere
+
+    def attach(self, trainer: "TrainerView", metric_logger: Optional["MetricCollector"]) -> None:
+        """Called by ``Trainer(...)``: the trainer this module runs in, and where ``self.log`` records."""
+        self._trainer = trainer
+        self._metric_logger = metric_logger
+
     @property
-    def trainer(self) -> "Trainer":
+    def trainer(self) -> "TrainerView":
         """The trainer running this module (an error outside one)."""
-        trainer = self.__dict__.get("_trainer")
+        trainer = self._trainer
         if trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer; build Trainer(module=...) first")
         return trainer
@@ -136,13 +145,13 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     @property
     def global_rank(self) -> int:
         """This process's rank (0 outside distributed training)."""
-        trainer = self.__dict__.get("_trainer")
+        trainer = self._trainer
         return trainer.backend.rank if trainer is not None else 0
 
     @property
     def world_size(self) -> int:
         """Number of processes training together (1 outside distributed training)."""
-        trainer = self.__dict__.get("_trainer")
+        trainer = self._trainer
         return trainer.backend.world_size if trainer is not None else 1
 
     @property
@@ -177,7 +186,7 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         return self._manual_optimization("clip_gradients").clip_gradients(optimizer, max_norm, max_value)
 
     def _manual_optimization(self, method: str) -> ManualOptimization:
-        manual = getattr(self.__dict__.get("_trainer"), "manual_optimization", None)
+        manual = None if self._trainer is None else self._trainer.manual_optimization
         if manual is None:
             raise RuntimeError(
                 f"self.{method}() is for manual optimization: set automatic_optimization = False on "
@@ -203,7 +212,7 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         Lightning infers it; 1 outside a step), so the epoch value is the mean over samples on
         any world size. Outside a trainer this does nothing.
         """
-        metric_logger = self.__dict__.get("_metric_logger")
+        metric_logger = self._metric_logger
         if metric_logger is not None:
             metric_logger.log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce, batch_size=batch_size)
 
@@ -215,6 +224,7 @@ class StepRunner(torch.nn.Module):
     wrapper's ``forward`` and its gradient hooks fire; the user's own ``forward`` stays free.
     """
 
+    _target: ModuleInterface
     _STEP_METHODS: ClassVar[Dict[Stage, str]] = {Stage.TRAIN: "train_step", Stage.VAL: "val_step", Stage.TEST: "test_step"}
 
     def __init__(self, module: ModuleInterface) -> None:
@@ -223,7 +233,7 @@ class StepRunner(torch.nn.Module):
         self.__dict__["_target"] = module  # plain attribute: no nn.Module lookup per step
 
     def forward(self, stage: Stage, global_step: int, batch: Any, device: torch.device, *extra: Any) -> Any:
-        collector = self._target.__dict__.get("_metric_logger")
+        collector = self._target._metric_logger
         if collector is None:
             return getattr(self._target, self._STEP_METHODS[stage])(global_step, batch, device, *extra)
         collector.batch = batch  # self.log weights a mean by this batch's size

@@ -167,7 +167,7 @@ def ddp_scenarios(rank: int, tmp: str) -> dict:
     args = parity_args("ddp", os.path.join(tmp, f"unused{rank}"), epochs=1, find_unused_parameters=True)
     trainer = Trainer(module, args)
     trainer.train()
-    results["unused"] = dict(_summary(trainer, module), flag=trainer._wrapped.find_unused_parameters)
+    results["unused"] = dict(_summary(trainer, module), flag=trainer.wrapped_module.find_unused_parameters)
     # 5. fewer validation samples than ranks: rank 1 evaluates nothing.
     module = IndexedToy(n_val=1, scheduler=None)
     trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, f"tiny{rank}"), epochs=1))

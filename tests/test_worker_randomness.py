@@ -69,7 +69,7 @@ def run(tmp_path, name, noise="none", persistent=False, save_at_end=True, **over
     trainer.train()
     # Stop persistent workers now: a trainer freed later by the cyclic garbage collector makes
     # DataLoader's shutdown wait 5 s per worker (its workers never get the stop message).
-    iterator = getattr(trainer._train_loader, "_iterator", None)
+    iterator = getattr(trainer.train_loader.loader, "_iterator", None)
     if iterator is not None:
         iterator._shutdown_workers()
     return flat_parameters(module)

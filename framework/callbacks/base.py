@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Any, Dict
 from framework.loop.hooks import TrainingHooks
 
 if TYPE_CHECKING:
-    from framework.loop.trainer import Trainer
+    from framework.loop.view import TrainerView
 
 
 class StopTraining(Exception):
@@ -45,9 +45,9 @@ class Callback(TrainingHooks):
         ...         print("epoch", epoch, "from step", global_step)
     """
 
-    trainer: "Trainer"
+    trainer: "TrainerView"
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: "TrainerView") -> None:
         """Called once before training, validation or testing starts."""
         self.trainer = trainer
 

@@ -133,7 +133,7 @@ class SWA(WeightAveraging):
             norm.momentum = None  # a cumulative mean over the batches
         sampler = trainer.backend.sampler_factory(shuffle=False, seed=trainer.args.seed)
         loader = trainer.backend.prepare_loader(trainer.module.get_train_dataloader(sampler, trainer.train_step_batch_size))
-        wrapped = trainer._wrapped if trainer._wrapped is not None else trainer.module
+        wrapped = trainer.wrapped_module if trainer.wrapped_module is not None else trainer.module
         was_training = trainer.module.training
         trainer.module.train()
         try:

@@ -73,8 +73,8 @@ class Evaluator:
         """Evaluate every loader of ``stage``; with ``record=False`` (sanity checks) only run the steps."""
         results: Dict[str, float] = {}
         was_training = self.module.training
-        previous_logger, collector, losses = self.module.__dict__.get("_metric_logger"), MetricCollector(), MetricCollector()
-        self.module.__dict__["_metric_logger"] = collector
+        previous_logger, collector, losses = self.module._metric_logger, MetricCollector(), MetricCollector()
+        self.module._metric_logger = collector
         self.module.eval()
         try:
             for key, loader in self.loaders(stage, batch_size).items():
@@ -99,7 +99,7 @@ class Evaluator:
                 results.update(metrics)
         finally:
             self.module.train(was_training)
-            self.module.__dict__["_metric_logger"] = previous_logger
+            self.module._metric_logger = previous_logger
         return results
 
     def _run_steps(

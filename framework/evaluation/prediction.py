@@ -96,8 +96,8 @@ class Predictor:
         writer = None if predictions_dir is None else PredictionWriter(predictions_dir, self.backend)
         collected: List[Any] = []
         module, backend, device = self.module, self.backend, self.backend.device
-        was_training, previous_logger = module.training, module.__dict__.get("_metric_logger")
-        module.__dict__["_metric_logger"] = None  # self.log in predict_step records nothing
+        was_training, previous_logger = module.training, module._metric_logger
+        module._metric_logger = None  # self.log in predict_step records nothing
         module.eval()
         indices = _sample_indices(loader, backend.rank, backend.world_size)
         try:
@@ -114,7 +114,7 @@ class Predictor:
                         collected.append(_positions(outputs))
         finally:
             module.train(was_training)
-            module.__dict__["_metric_logger"] = previous_logger
+            module._metric_logger = previous_logger
         if writer is not None:
             backend.barrier()  # every rank's files are in place
             logger.info("predict: wrote %d file(s) on rank 0 to %s", writer.parts, predictions_dir)

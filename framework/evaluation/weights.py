@@ -4,6 +4,10 @@ same file on every rank (rank zero picks it and broadcasts where it is)."""
 import logging
 from typing import Any, Callable, Optional, Union
 
+import torch
+
+from backends import TrainerBackend
+from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.weights import load_weights, resolve_checkpoint
 
 logger = logging.getLogger("framework")
@@ -42,13 +46,21 @@ def best_checkpoint_url(checkpointer: Any, backend: Any) -> Optional[str]:
     return on_main_then_everywhere(backend, lambda: best() if callable(best) else None, "find the best checkpoint")
 
 
-def load_evaluation_weights(trainer: Any, checkpoint: CheckpointChoice, method: str) -> Optional[str]:
-    """Load the weights ``checkpoint`` names into ``trainer.module`` on every rank; return the
-    file's URL (None: the current weights are kept).
+def load_evaluation_weights(
+    module: torch.nn.Module,
+    checkpointer: AbstractCheckpointer,
+    backend: TrainerBackend,
+    checkpoint: CheckpointChoice,
+    method: str,
+    weights_known: bool,
+) -> Optional[str]:
+    """Load the weights ``checkpoint`` names into ``module`` on every rank; return the file's URL
+    (None: the current weights are kept).
 
-    - ``None``: nothing is loaded. A trainer that has neither trained nor resumed, whose
-      checkpointer would resume from a checkpoint, logs a warning that the untrained weights
-      are evaluated and how to evaluate the checkpoint instead.
+    - ``None``: nothing is loaded. When the weights are not known (``weights_known``: the
+      trainer has trained, resumed or loaded a checkpoint) and the checkpointer would resume
+      from a checkpoint, rank zero warns that the untrained weights are evaluated and how to
+      evaluate the checkpoint instead.
     - ``"last"``: the newest readable checkpoint in ``save_dir`` (else in what the run resumes
       from: ``load_filename`` / ``load_dir``).
     - ``"best"``: the best checkpoint by ``checkpointer_args.metric`` / ``mode``: among this
@@ -64,16 +76,16 @@ def load_evaluation_weights(trainer: Any, checkpoint: CheckpointChoice, method: 
     """
     check_checkpoint_choice(checkpoint, method)
     if checkpoint is None:
-        _warn_if_untrained(trainer, method)
+        if not weights_known and backend.is_main_process:
+            _warn_if_untrained(checkpointer, method)
         return None
-    module, checkpointer, strategy = trainer.module, trainer.checkpointer, trainer.backend.strategy
+    strategy = backend.strategy
     url = strategy.run_on_rank_zero(
         lambda: _resolve_on_main(checkpointer, checkpoint),
         f"failed to load checkpoint={checkpoint!r}",
         share_as=(FileNotFoundError, ValueError),
     )
     load_weights(module, url, weights_only=_weights_only(checkpointer), strategy=strategy)
-    trainer.__dict__["_loaded_evaluation_weights"] = url  # later calls with checkpoint=None use these: no warning
     logger.info("%s: evaluating the weights of %s", method, url)
     return url
 
@@ -118,12 +130,9 @@ def _resume_source(checkpointer: Any) -> Union[str, None]:
     return source() if callable(source) else None
 
 
-def _warn_if_untrained(trainer: Any, method: str) -> None:
-    loaded = getattr(trainer, "_restored", False) or trainer.__dict__.get("_loaded_evaluation_weights")
-    if trainer.global_steps_finished or loaded or not trainer.is_main_process:
-        return
+def _warn_if_untrained(checkpointer: AbstractCheckpointer, method: str) -> None:
     try:
-        source = _resume_source(trainer.checkpointer)
+        source = _resume_source(checkpointer)
     except OSError:  # listing the directory failed: say nothing rather than fail the evaluation
         return
     if source is not None:

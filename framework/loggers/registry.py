@@ -2,39 +2,45 @@
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Protocol, Sequence
 
 from backends.plugins import register_entry_points
 from framework.loggers.base import Logger
 
-if TYPE_CHECKING:
-    from framework.run.arguments import TrainerArguments
+
+class LoggerArguments(Protocol):
+    """What the logger registry reads of the run's ``TrainerArguments``."""
+
+    output_dir: str
+    loggers: Sequence[Any]
+    tensorboard: bool
+
 
 logger = logging.getLogger("framework")
 
 ENTRY_POINT_GROUP = "framework.loggers"
-LoggerFactory = Callable[["TrainerArguments"], Logger]
+LoggerFactory = Callable[[LoggerArguments], Logger]
 
 
-def _csv(args: "TrainerArguments") -> Logger:
+def _csv(args: LoggerArguments) -> Logger:
     from framework.loggers.csv_logger import CSVLogger
 
     return CSVLogger(os.path.join(args.output_dir, "metrics.csv"))
 
 
-def _tensorboard(args: "TrainerArguments") -> Logger:
+def _tensorboard(args: LoggerArguments) -> Logger:
     from framework.loggers.tensorboard_logger import TensorBoardLogger
 
     return TensorBoardLogger(os.path.join(args.output_dir, "tensorboard"))
 
 
-def _mlflow(args: "TrainerArguments") -> Logger:
+def _mlflow(args: LoggerArguments) -> Logger:
     from framework.loggers.mlflow_logger import MLflowLogger
 
     return MLflowLogger()
 
 
-def _wandb(args: "TrainerArguments") -> Logger:
+def _wandb(args: LoggerArguments) -> Logger:
     from framework.loggers.wandb_logger import WandbLogger
 
     return WandbLogger()
@@ -121,7 +127,7 @@ def check_logger_choices(choices: Sequence[Any]) -> None:
         raise ValueError(f"TrainerArguments.loggers names {', '.join(map(repr, repeated))} more than once; list each once")
 
 
-def build_loggers(args: "TrainerArguments") -> List[Logger]:
+def build_loggers(args: LoggerArguments) -> List[Logger]:
     """The loggers ``args.loggers`` names (instances as given), plus ``tensorboard`` for ``tensorboard=True``."""
     choices = list(args.loggers)
     if args.tensorboard and "tensorboard" not in choices:

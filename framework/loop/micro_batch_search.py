@@ -1,17 +1,18 @@
 """``gpu_batch_size_limit="auto"``: the largest micro-batch whose forward and backward fit in memory."""
 
 import logging
-from typing import TYPE_CHECKING, Callable, List
+from typing import Any, Callable, List
 
 import torch
 
+from backends import TrainerBackend
 from framework.data.rng import capture_rng_state, restore_rng_state
 from framework.loop.stage import Stage
 from framework.loop.step_outputs import as_outputs
 from framework.loop.tbptt import split_along_time
-
-if TYPE_CHECKING:  # pragma: no cover
-    from framework.loop.trainer import Trainer
+from framework.metrics.collector import MetricCollector
+from framework.module import ModuleInterface
+from framework.run.arguments import TrainerArguments
 
 logger = logging.getLogger("framework")
 
@@ -40,7 +41,14 @@ def largest_fitting(sizes: List[int], fits: Callable[[int], bool]) -> int:
     return next((size for size in sizes if fits(size)), 0)
 
 
-def search_micro_batch(trainer: "Trainer") -> int:
+def search_micro_batch(
+    module: ModuleInterface,
+    backend: TrainerBackend,
+    args: TrainerArguments,
+    wrapped: torch.nn.Module,
+    forward: Callable[..., Any],
+    collector: MetricCollector,
+) -> int:
     """Probe the module's ``train_step`` and backward on the first batch of a loader of each
     candidate size, on every rank, and return the largest that fits everywhere (the minimum
     over ranks). A probe that raises ``torch.OutOfMemoryError`` does not fit. Nothing of the
@@ -52,21 +60,18 @@ def search_micro_batch(trainer: "Trainer") -> int:
     in forward, so the ranks must run out of memory alike (same devices and batch shapes),
     as they do in a balanced job.
     """
-    module, backend, wrapped = trainer.module, trainer.backend, trainer._wrapped
-    if wrapped is None:
-        raise RuntimeError("search_micro_batch needs the wrapped module: call it once training is set up")
-    per_process = trainer.args.train_batch_size // backend.world_size
+    per_process, device = args.train_batch_size // backend.world_size, backend.device
     buffers = [buffer.detach().clone() for buffer in module.buffers()]
-    rng, logged = capture_rng_state(), trainer._metrics.state_dict()
+    rng, logged = capture_rng_state(), collector.state_dict()
 
     def fits(size: int) -> bool:
-        sampler = backend.sampler_factory(shuffle=True, seed=trainer.args.seed)
+        sampler = backend.sampler_factory(shuffle=True, seed=args.seed)
         batch = backend.move_to_device(next(iter(module.get_train_dataloader(sampler, size))))
-        tbptt = trainer.args.tbptt_steps  # then a step is one chunk along time, with no hidden state yet
-        step_inputs = (split_along_time(batch, tbptt)[0], trainer.device, None) if tbptt else (batch, trainer.device)
+        tbptt = args.tbptt_steps  # then a step is one chunk along time, with no hidden state yet
+        step_inputs = (split_along_time(batch, tbptt)[0], device, None) if tbptt else (batch, device)
         try:
             with backend.no_sync(wrapped, skip_gradient_sync=True):
-                backend.backward(as_outputs(trainer._forward(Stage.TRAIN, 0, *step_inputs), "train_step")[0])
+                backend.backward(as_outputs(forward(Stage.TRAIN, 0, *step_inputs), "train_step")[0])
             return True
         except torch.OutOfMemoryError:
             logger.info("gpu_batch_size_limit='auto': a micro-batch of %d does not fit", size)
@@ -75,7 +80,7 @@ def search_micro_batch(trainer: "Trainer") -> int:
             del batch, step_inputs
             for parameter in module.parameters():
                 parameter.grad = None
-            if trainer.device.type == "cuda":
+            if device.type == "cuda":
                 torch.cuda.empty_cache()
 
     try:
@@ -85,7 +90,7 @@ def search_micro_batch(trainer: "Trainer") -> int:
             for buffer, saved in zip(module.buffers(), buffers):
                 buffer.copy_(saved)
         restore_rng_state(rng)
-        trainer._metrics.load_state_dict(logged, trainer.device)
+        collector.load_state_dict(logged, device)
     agreed = backend.strategy.min_over_ranks(size)  # every rank agrees before any raises
     if agreed == 0:
         raise RuntimeError(

@@ -3,12 +3,12 @@
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from framework.loop.trainer import Trainer
+    from framework.loop.view import TrainerView
 
 _EXHAUSTED = "Tried to step"  # torch's OneCycleLR: "Tried to step 231 times. The specified number of total steps is 230"
 
 
-def explain_exhausted_schedule(error: ValueError, trainer: "Trainer") -> None:
+def explain_exhausted_schedule(error: ValueError, trainer: "TrainerView") -> None:
     """Raise a ``ValueError`` that explains ``error`` when it is a schedule stepped past its
     ``total_steps`` (torch's ``OneCycleLR``); return otherwise (the caller re-raises ``error``).
 

@@ -11,8 +11,8 @@ import torch
 from backends import TrainerBackend, map_tensors
 from framework.callbacks.base import Callback
 from framework.checkpoint import AbstractCheckpointer, Checkpoint
-from framework.data.loader_position import LoaderPosition
 from framework.data.rng import capture_rng_state
+from framework.data.train_loader import TrainLoader
 from framework.loggers import LoggerSet
 from framework.loop.optimizer_changes import (
     OPTIMIZER_TYPES_KEY,
@@ -51,12 +51,11 @@ class TrainerCheckpoints:
     losses: LossTracker
     optimizers: List[torch.optim.Optimizer]
     schedulers: List[Any]
-    should_stop: bool
     train_step_batch_size: int
     gradient_accumulation: int
     _metrics: MetricCollector
     _pending_rng: PendingRng
-    _loader_position: Optional[LoaderPosition]
+    train_loader: Optional[TrainLoader]
     run_id: Optional[str]
     _identity: StartingIdentity
 
@@ -98,7 +97,7 @@ class TrainerCheckpoints:
         Returns where the checkpoint went, or None when it was not due.
         """
         step = self.global_steps_finished
-        position = self._loader_position
+        position = None if self.train_loader is None else self.train_loader.position
         if self.progress.batches_finished_in_epoch and position is not None and not position.resumable_mid_epoch:
             position.skip_save(step)  # a checkpoint no later run could resume
             return None
@@ -169,7 +168,7 @@ class TrainerCheckpoints:
             "rng": capture_rng_state(),
             **self.losses.state_dict(),
             "logged_values": self._metrics.state_dict(),
-            "loader": None if self._loader_position is None else self._loader_position.state_dict(),
+            "loader": None if self.train_loader is None else self.train_loader.position.state_dict(),
             "module": map_tensors({key: value for key, value in self.module.get_state().items() if key != "model"}, _to_cpu),
         }
         return {
@@ -204,8 +203,8 @@ class TrainerCheckpoints:
         mine = ranks[self.backend.rank % len(ranks)]
         self.losses.load_state_dict(mine)
         self._metrics.load_state_dict(mine["logged_values"], self.device)
-        if self._loader_position is not None:
-            self._loader_position.load_state_dict(mine.get("loader"))
+        if self.train_loader is not None:
+            self.train_loader.position.load_state_dict(mine.get("loader"))
         self._pending_rng.set(mine["rng"])  # restored around the train loader's iterator (see _start_epoch)
         self.should_stop = bool(state["should_stop"])
         configured = ConfiguredHyperparameters(self.optimizers)

@@ -7,11 +7,15 @@ what is allowed. None of them runs per step: they run at setup, on the first ste
 import contextlib
 import inspect
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from framework.loop.hooks import TrainingHooks
+from framework.run.arguments import TrainerArguments
+
+if TYPE_CHECKING:
+    from framework.module import ModuleInterface
 
 logger = logging.getLogger("framework")
 
@@ -350,3 +354,27 @@ def naming_missing_keys(checkpoint_path: Optional[str], part: str = "trainer sta
             f"checkpoint {checkpoint_path or '(unnamed)'}: its {part} has no {key!r} entry; it was not written by this "
             f"trainer (or by an incompatible version)"
         ) from error
+
+
+def check_optimization_mode(module: "ModuleInterface", args: TrainerArguments, accumulation: int) -> bool:
+    """The module's ``automatic_optimization``, after refusing settings manual mode cannot apply."""
+    automatic = module.automatic_optimization
+    if not isinstance(automatic, bool):
+        raise TypeError(f"{type(module).__name__}.automatic_optimization={automatic!r}; allowed: True or False")
+    if automatic:
+        return True
+    refused = {
+        "gradient accumulation (train_batch_size / world size > gpu_batch_size_limit)": accumulation > 1,
+        "gpu_batch_size_limit='auto' (it may accumulate micro-batches)": args.gpu_batch_size_limit == "auto",
+        "tbptt_steps (split the batch in train_step instead)": args.tbptt_steps is not None,
+        "clip_grads / clip_grad_value (call self.clip_gradients in train_step)": args.clip_grads
+        or args.clip_grad_value is not None,
+        "track_grad_norm (clip_gradients returns the norm: self.log it)": args.track_grad_norm,
+    }
+    for setting, applies in refused.items():
+        if applies:
+            raise ValueError(
+                f"{type(module).__name__} uses manual optimization (automatic_optimization = False), where the "
+                f"trainer runs no backward and no optimizer step itself, so {setting} cannot apply; remove it"
+            )
+    return False

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, List
 from backends.environments import LocalEnvironment
 
 if TYPE_CHECKING:  # pragma: no cover
-    from framework.loop.trainer import Trainer
+    from framework.loop.view import TrainerView
 
 logger = logging.getLogger("framework")
 
 
-def run_start_notes(trainer: "Trainer") -> List[str]:
+def run_start_notes(trainer: "TrainerView") -> List[str]:
     """The lines :func:`log_run_start` writes (every rank computes them; nothing collective).
 
     - what the checkpointer writes and keeps (``AbstractCheckpointer.describe``), unless
@@ -36,7 +36,7 @@ def run_start_notes(trainer: "Trainer") -> List[str]:
     return notes
 
 
-def log_run_start(trainer: "Trainer") -> None:
+def log_run_start(trainer: "TrainerView") -> None:
     """Log :func:`run_start_notes` at INFO on rank zero."""
     if trainer.is_main_process:
         for note in run_start_notes(trainer):

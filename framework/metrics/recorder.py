@@ -1,0 +1,110 @@
+"""Recording metrics: values read back from the device at log points and epoch ends, written to
+the history, the loggers (rank zero) and the ``on_log_metrics`` hooks."""
+
+import logging
+import math
+from typing import Any, Callable, Dict, List, Mapping, Tuple
+
+import torch
+
+from backends import TrainerBackend
+from framework.loggers import LoggerSet, RunInfo
+from framework.loop.hooks import HookDispatcher
+from framework.loop.training_state import TrainingProgress
+from framework.metrics.collector import MetricCollector, MetricHistory, reduce_metrics
+from framework.metrics.loss_tracker import LossTracker, TrainingDiverged
+from framework.run.arguments import TrainerArguments
+from framework.run.config import resolved_config
+
+logger = logging.getLogger("framework")
+
+
+class MetricRecorder:
+    """Where every recorded value goes, and when values are read back from the device.
+
+    Args:
+        args: ``stop_on_nonfinite_loss``, ``output_dir`` and ``epochs`` (the summary line).
+        backend: reduces values over ranks.
+        progress: the step and epoch each record carries.
+        history: the run's metric history (queryable, checkpointed).
+        loggers: the run's loggers (active on rank zero).
+        hooks: ``on_log_metrics`` goes through it.
+        collector: what ``module.log`` collected on the device.
+        losses: the training loss, kept on the device.
+
+    Example:
+        recorder.log_train_metrics(stopping.flags())   # at a log point: one all-reduce
+        recorder.record({"lr": 0.1})                     # host-side values, now
+    """
+
+    def __init__(
+        self,
+        args: TrainerArguments,
+        backend: TrainerBackend,
+        progress: TrainingProgress,
+        history: MetricHistory,
+        loggers: LoggerSet,
+        hooks: HookDispatcher,
+        collector: MetricCollector,
+        losses: LossTracker,
+    ) -> None:
+        self.args, self.backend, self.progress, self.history = args, backend, progress, history
+        self.loggers, self.hooks, self.collector, self.losses = loggers, hooks, collector, losses
+
+    def log_train_metrics(self, stop_flags: List[bool]) -> List[bool]:
+        """Read the loss since the last log point (and logged step values) back from the device,
+        with the ranks' ``stop_flags`` riding on the same all-reduce; record them. Returns the
+        flags of any rank."""
+        has_loss = self.losses.has_unlogged
+        interval_mean = self.losses.interval_mean().float().reshape(1)
+        flags = torch.tensor([float(flag) for flag in stop_flags], device=self.backend.device)
+        loss, *any_flags = self.backend.all_reduce(torch.cat([interval_mean, flags])).tolist()
+        self.losses.mark_logged()
+        if has_loss:
+            self.record_train_loss("train_loss", loss)
+        self.record(self.reduce(self.collector.pop_step()))
+        return [flag > 0 for flag in any_flags]
+
+    def end_train_epoch(self, outputs_hook: Callable[[], None]) -> None:
+        """The epoch's mean training loss, then ``outputs_hook`` (``on_end_train_epoch``), then what
+        ``module.log`` collected for the epoch (from the steps and that hook)."""
+        mean_loss = self.losses.epoch_mean()
+        if mean_loss is not None:
+            self.record_train_loss("train_loss_epoch", float(self.backend.all_reduce(mean_loss)))
+        outputs_hook()
+        self.record(self.reduce(self.collector.pop_epoch(), agree_on_names=True))
+
+    def record_train_loss(self, name: str, value: float) -> None:
+        """Record a training loss read back from the device; a NaN/inf one ends the run (unless a
+        GradScaler skips such steps: then it never reached the weights)."""
+        if not math.isfinite(value) and self.args.stop_on_nonfinite_loss and not self.backend.precision.skips_nonfinite_steps:
+            first = self.losses.first_nonfinite_step()
+            first = self.backend.strategy.min_over_ranks(first if first is not None else 2**62)
+            raise TrainingDiverged(first, value)
+        self.record({name: value})
+
+    def reduce(self, collected: Mapping[str, Tuple[Any, ...]], agree_on_names: bool = False) -> Dict[str, float]:
+        """Collected device values as floats, reduced over ranks."""
+        gather = self.backend.all_gather_object if agree_on_names else None  # once per epoch: a rank may have logged nothing
+        return reduce_metrics(collected, self.backend.all_reduce, self.backend.device, gather)
+
+    def record(self, metrics: Dict[str, float]) -> None:
+        """Add ``metrics`` to the history, the loggers (rank zero) and the ``on_log_metrics`` hooks."""
+        if not metrics:
+            return
+        step, epoch = self.progress.global_steps_finished, self.progress.epochs_finished
+        records = [self.history.add(name, value, step, epoch) for name, value in metrics.items()]
+        self.loggers.log(records)  # rank zero
+        self.hooks.call("on_log_metrics", step, dict(metrics))
+
+    def start_loggers(self) -> None:
+        """Start the loggers (rank zero) with the history so far; a later validate()/test() starts them again."""
+        args = self.args
+        self.loggers.start(lambda: RunInfo(args.output_dir, resolved_config(args).to_dict(), list(self.history.records)))
+
+    def log_epoch_summary(self) -> None:
+        """One line per epoch: the values recorded in it (the step losses left out)."""
+        epoch = self.progress.epochs_finished
+        latest = {r["name"]: r["value"] for r in self.history.records if r["epoch"] == epoch and r["name"] != "train_loss"}
+        summary = "  ".join(f"{name}={value:.4g}" for name, value in latest.items())
+        logger.info("epoch %d/%d (step %d): %s", epoch + 1, self.args.epochs, self.progress.global_steps_finished, summary)

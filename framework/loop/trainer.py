@@ -122,8 +122,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         self.recorder = MetricRecorder(
             args, self.backend, self.progress, self.history, self.loggers, self.hooks, self._metrics, self.losses
         )
-        self.step = TrainingStep(module, args, self.backend, self.hooks, self.progress, self.losses, self._metrics)
-        self.step.explain_schedule_error = lambda error: explain_exhausted_schedule(error, self)
+        self.training_step = TrainingStep(module, args, self.backend, self.hooks, self.progress, self.losses, self._metrics)
+        self.training_step.explain_schedule_error = lambda error: explain_exhausted_schedule(error, self)
         self.optimizers: List[torch.optim.Optimizer] = []
         self.schedulers: List[Any] = []
         self.lr_schedules = LRSchedules()  # the schedulers with when each steps (framework/loop/schedulers.py)
@@ -219,7 +219,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
     def _train_epoch(self) -> None:
         """One epoch: for each optimizer step, its micro-batches, the step, then what is due."""
         args, progress, checkpointing = self.args, self.progress, self.checkpointing_enabled
-        run_step, stopping, hooks, checkpointer = self.step.run, self.stopping, self.hooks, self.checkpointer
+        run_step, stopping, hooks, checkpointer = self.training_step.run, self.stopping, self.hooks, self.checkpointer
         cycles = accumulation_cycles(
             self._micro_batches_this_epoch(), self.gradient_accumulation, progress.batches_finished_in_epoch
         )
@@ -264,7 +264,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         loader.seeding.start_epoch(progress.epochs_finished)  # before iter: seeds its workers
         batches = iter(loader.loader)
         self._pending_rng.apply()
-        self.step.kept_outputs = []
+        self.training_step.kept_outputs = []
         self.hooks.call("on_begin_train_epoch", progress.global_steps_finished, progress.epochs_finished)
         return batches
 
@@ -295,8 +295,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
             self.save_checkpoint(progress.epochs_finished, force=False)
 
     def _call_end_train_epoch(self) -> None:
-        outputs = concatenate_outputs(self.step.kept_outputs)
-        self.step.kept_outputs = []
+        outputs = concatenate_outputs(self.training_step.kept_outputs)
+        self.training_step.kept_outputs = []
         self.hooks.call("on_end_train_epoch", self.global_steps_finished, *outputs)
 
     def _should_end_training(self) -> bool:

@@ -53,7 +53,7 @@ class TrainerSetup:
     hooks: HookDispatcher
     recorder: MetricRecorder
     stopping: StopConditions
-    step: TrainingStep
+    training_step: TrainingStep
     optimizers: List[torch.optim.Optimizer]
     schedulers: List[Any]
     lr_schedules: LRSchedules
@@ -151,7 +151,7 @@ class TrainerSetup:
         """Hand the step what it runs on; refuse LBFGS where it cannot re-evaluate the loss."""
         assert self.wrapped_module is not None and self.train_loader is not None  # set up by _setup_training
         self._forward = self.backend.step_function(self.wrapped_module, self._runner)
-        self.step.prepare(
+        self.training_step.prepare(
             self._forward,
             self.wrapped_module,
             self.optimizers,
@@ -159,7 +159,7 @@ class TrainerSetup:
             self.automatic_optimization,
             self.train_loader.length,
         )
-        if self.step.uses_closure and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
+        if self.training_step.uses_closure and (self.gradient_accumulation > 1 or self.args.tbptt_steps):
             raise ValueError(
                 "LBFGS re-evaluates the loss itself: it needs gradient_accumulation == 1 (gpu_batch_size_limit "
                 f"unset or >= the per-process batch, got accumulation {self.gradient_accumulation}) and no tbptt_steps"

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from toy import ToyModule, toy_args
 
-import framework.loop.trainer as trainer_module
+import framework.metrics.recorder as recorder_module
 from framework import Trainer, TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.metrics.collector import MetricCollector, reduce_metrics
@@ -123,13 +123,13 @@ class LoggingModule(ToyModule):
 
 def test_logged_values_reach_history_at_log_points_and_epoch_end(tmp_path, monkeypatch):
     reduce_steps = []
-    original = trainer_module.reduce_metrics
+    original = recorder_module.reduce_metrics
 
     def counting_reduce(collected, *args):
         reduce_steps.append((trainer.global_steps_finished, tuple(collected)))
         return original(collected, *args)
 
-    monkeypatch.setattr(trainer_module, "reduce_metrics", counting_reduce)
+    monkeypatch.setattr(recorder_module, "reduce_metrics", counting_reduce)
     module = LoggingModule(val_loaders=2)
     module.logged = []
     trainer = Trainer(module, make_args(tmp_path, epochs=2, log_every_n_steps=3))

@@ -7,6 +7,7 @@ import torch
 
 from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint.checkpoint import Checkpoint
+from framework.stateful import refuse_renamed_state_methods
 
 
 class AbstractCheckpointer(abc.ABC):
@@ -18,7 +19,9 @@ class AbstractCheckpointer(abc.ABC):
     step triggers and at the end. Every rank calls :meth:`save` and :meth:`load_into`, with the
     same arguments: the files themselves are written and read through
     ``self.strategy.save_checkpoint`` / ``load_checkpoint`` (one file from rank zero, or shards
-    from every rank), so a checkpointer holds policy only and works on every backend.
+    from every rank), so a checkpointer holds policy only and works on every backend. State it
+    keeps inside checkpoints goes through :meth:`state_dict` / :meth:`load_state_dict` (a
+    subclass defining the old names ``get_state`` / ``update_state`` is refused at definition).
 
     Example:
         >>> class InMemory(AbstractCheckpointer):
@@ -31,6 +34,10 @@ class AbstractCheckpointer(abc.ABC):
         ...     def load(self):
         ...         return self.saved[max(self.saved)] if self.saved else None
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_renamed_state_methods(cls, "docs/checkpointing.md")
 
     strategy: Strategy = SingleProcess()
     """Where the run's processes are (set by :meth:`setup`; one process until then)."""
@@ -102,9 +109,9 @@ class AbstractCheckpointer(abc.ABC):
     def wait(self) -> None:
         """Block until background writes finish; re-raise their errors."""
 
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         """Checkpointer state kept inside checkpoints (e.g. scores for best-k retention)."""
         return {}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""

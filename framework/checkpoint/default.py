@@ -526,11 +526,11 @@ class DefaultCheckpointer(AbstractCheckpointer):
         return self.args.reset_optimizers_schedulers and not self.resumed_own_run
 
     # -- state ----------------------------------------------------------------------
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         with self._lock:
             return {"scores": dict(self._scores), "save_dir": self.save_dir}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved_dir = state.get("save_dir")
         if saved_dir is not None and not storage.same_location(saved_dir, self.save_dir):
             return  # scores name files of another directory

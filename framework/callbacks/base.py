@@ -64,4 +64,3 @@ class Callback(TrainingHooks):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-

@@ -15,7 +15,7 @@ class AbstractCheckpointer(abc.ABC):
 
     The trainer hands it the strategy (:meth:`setup`), calls :meth:`prepare_run` once on rank
     zero before anything is written, then :meth:`load_into` once before training; :meth:`save`
-    at every epoch end (``index`` = epochs finished) and, with ``force=True``, on demand, at
+    at every epoch end (``epoch`` = epochs finished) and, with ``force=True``, on demand, at
     step triggers and at the end. Every rank calls :meth:`save` and :meth:`load_into`, with the
     same arguments: the files themselves are written and read through
     ``self.strategy.save_checkpoint`` / ``load_checkpoint`` (one file from rank zero, or shards
@@ -27,9 +27,9 @@ class AbstractCheckpointer(abc.ABC):
         >>> class InMemory(AbstractCheckpointer):
         ...     def __init__(self):
         ...         self.saved = {}
-        ...     def save(self, checkpoint, index, force=False):
-        ...         self.saved[index] = checkpoint
-        ...     def save_model(self, state, index):
+        ...     def save(self, checkpoint, epoch, force=False):
+        ...         self.saved[checkpoint.global_step] = checkpoint
+        ...     def save_model(self, state, step):
         ...         pass
         ...     def load(self):
         ...         return self.saved[max(self.saved)] if self.saved else None
@@ -47,12 +47,14 @@ class AbstractCheckpointer(abc.ABC):
         self.strategy = strategy
 
     @abc.abstractmethod
-    def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
-        """Save ``checkpoint`` if ``index`` is due (or ``force``); return where it went, or None."""
+    def save(self, checkpoint: Checkpoint, epoch: int, force: bool = False) -> Optional[str]:
+        """Save ``checkpoint`` if a save is due after ``epoch`` epochs finished (or ``force``);
+        return where it went, or None. The trainer passes both positionally."""
 
     @abc.abstractmethod
-    def save_model(self, state: Dict[str, Any], index: int) -> Optional[str]:
-        """Write a model-only export (e.g. for inference); return where it went."""
+    def save_model(self, state: Dict[str, Any], step: int) -> Optional[str]:
+        """Write a model-only export (e.g. for inference) taken after ``step`` optimizer steps;
+        return where it went."""
 
     @abc.abstractmethod
     def load(self) -> Optional[Checkpoint]:

@@ -37,9 +37,9 @@ def checkpoint_name(global_step: int, suffix: str = ".pt") -> str:
     return f"checkpoint-{global_step:09d}{suffix}"
 
 
-def model_name(index: int) -> str:
-    """File name of the model-only export taken after ``index`` optimizer steps."""
-    return f"model-{index:09d}.pt"
+def model_name(step: int) -> str:
+    """File name of the model-only export taken after ``step`` optimizer steps."""
+    return f"model-{step:09d}.pt"
 
 
 def copy_to_cpu(obj: Any, _memo: Optional[Dict[int, torch.Tensor]] = None) -> Any:
@@ -178,7 +178,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
     Example:
         >>> checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir="memory://doc", resume="auto"))
-        >>> checkpointer.save(Checkpoint({"model": {}}, {}, {}, global_step=5), index=1)
+        >>> checkpointer.save(Checkpoint({"model": {}}, {}, {}, global_step=5), epoch=1)
         'memory://doc/checkpoint-000000005.pt'
         >>> checkpointer.load().global_step
         5
@@ -248,11 +248,11 @@ class DefaultCheckpointer(AbstractCheckpointer):
         """Write ``obj`` to the open binary ``handle`` (``torch.save``); override to change the encoding."""
         torch.save(obj, handle)
 
-    def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
-        """Write ``checkpoint`` if ``index`` is due (or ``force``); return where it went, or None
-        when it was not due or not written (NaN). Call on every rank, with the same arguments:
+    def save(self, checkpoint: Checkpoint, epoch: int, force: bool = False) -> Optional[str]:
+        """Write ``checkpoint`` if a save is due after ``epoch`` epochs finished (or ``force``);
+        return where it went, or None when it was not due or not written (NaN). Call on every rank, with the same arguments:
         every rank raises when the write failed on any rank."""
-        if not force and not self.is_epoch_save_due(index):
+        if not force and not self.is_epoch_save_due(epoch):
             return None
         strategy = self.strategy
         if strategy.is_main_process:
@@ -330,11 +330,11 @@ class DefaultCheckpointer(AbstractCheckpointer):
             return f"its weights hold NaN or inf (module state {tensor!r})"
         return None
 
-    def save_model(self, state: Dict[str, Any], index: int) -> Optional[str]:
-        """Write ``state`` (the module's full weights) to ``model-<index>.pt`` (call on rank zero);
+    def save_model(self, state: Dict[str, Any], step: int) -> Optional[str]:
+        """Write ``state`` (the module's full weights) to ``model-<step>.pt`` (call on rank zero);
         load it with ``torch.load(path, weights_only=True)``. Model exports are never removed by retention."""
         self.prepare_run()
-        name = model_name(index)
+        name = model_name(step)
         self._io.write(self._url(name), copy_to_cpu(state))
         return self._url(name)
 

@@ -89,13 +89,19 @@ class TrainerCheckpoints:
         return not self.args.fast_dev_run
 
     def save_checkpoint(self, index: Optional[int] = None, force: bool = True) -> Optional[str]:
-        """Save module, trainer and backend state now (or, with ``force=False``, if ``index`` is due).
+        """Save module, trainer and backend state now (or, with ``force=False``, if a save is due).
 
         Call it on every rank, at an optimizer-step boundary (e.g. from ``on_end_optimizer_step``)
         for an exact resume. Every rank builds the state (RNG states are gathered) and hands it
         to the checkpointer, which writes through the strategy (one file from rank zero, or
         shards from every rank); every rank raises if the save failed on any rank.
         Returns where the checkpoint went, or None when it was not due.
+
+        Args:
+            index: epochs finished, that the checkpointer's epoch schedule is asked about
+                (default: now). It counts epochs; it keeps its name until the trainer's call
+                (``framework/loop/trainer.py``) is renamed with it.
+            force: save whether or not the schedule says a save is due.
         """
         step = self.global_steps_finished
         position = self._loader_position
@@ -103,7 +109,8 @@ class TrainerCheckpoints:
             position.skip_save(step)  # a checkpoint no later run could resume
             return None
         checkpoint = self._current_checkpoint()
-        return self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
+        epoch = self.epochs_finished if index is None else index
+        return self.checkpointer.save(checkpoint, epoch, force=force)
 
     def _current_checkpoint(self) -> Checkpoint:
         """The run's state now (collective under DDP: call on every rank)."""

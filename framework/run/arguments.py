@@ -1,13 +1,16 @@
 """TrainerArguments: every knob of a training run, checked when it is built."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import TYPE_CHECKING, List, Optional, Union
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.loggers.base import Logger
 from framework.loggers.registry import check_logger_choices
 from framework.run.preemption import parse_signals
 from framework.run.typed_fields import check_field_types
+
+if TYPE_CHECKING:
+    from framework.run.config import RunConfig
 
 PROFILERS = ("off", "throughput", "torch")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -119,6 +122,9 @@ class TrainerArguments:
     """Arguments of the default checkpointer."""
 
     def __post_init__(self) -> None:
+        self.run_config: Optional[RunConfig] = None
+        """The config :func:`~framework.parse_config` built these arguments in (set by it; the trainer
+        saves its every section to ``config.yaml``); None for arguments built in code. Not a field."""
         if isinstance(self.checkpointer_args, dict):
             self.checkpointer_args = DefaultCheckpointerArguments(**self.checkpointer_args)
         check_field_types(self, "TrainerArguments")  # types first: the range checks below compare numbers

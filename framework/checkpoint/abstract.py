@@ -41,6 +41,8 @@ class AbstractCheckpointer(abc.ABC):
 
     strategy: Strategy = SingleProcess()
     """Where the run's processes are (set by :meth:`setup`; one process until then)."""
+    loaded_from: Optional[str] = None
+    """Path or URL of the checkpoint :meth:`load_into` returned, for messages; None when unknown."""
 
     def setup(self, strategy: Strategy) -> None:
         """Told once, by the trainer, which strategy writes and reads the checkpoints."""

@@ -142,7 +142,7 @@ class TrainerCheckpoints:
                 f"the ranks loaded different checkpoints (global step per rank: {steps}); every rank must "
                 f"see the same checkpoint directory: use a shared filesystem or URL for save_dir/load_dir"
             )
-        path = getattr(self.checkpointer, "loaded_from", None)
+        path = self.checkpointer.loaded_from
         saved_run_id = None if checkpoint is None else checkpoint.trainer_state.get(RUN_ID_KEY)
         self.run_id = self._identity.after_load(saved_run_id, self.checkpointer.resumed_automatically(), path)
         if checkpoint is None:

@@ -16,8 +16,27 @@ PROFILERS = ("off", "throughput", "torch")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+class _CarriesRunConfig:
+    """Keeps the config :func:`~framework.parse_config` built the arguments in, in a slot: outside
+    the instance ``__dict__`` and the dataclass fields, so ``vars(args)``, ``==``, ``repr`` and
+    ``dataclasses.asdict`` see the settings only (``TrainerArguments(**vars(args))`` copies them)."""
+
+    __slots__ = ("_run_config",)
+
+    @property
+    def run_config(self) -> Optional["RunConfig"]:
+        """The :class:`~framework.run.config.RunConfig` that :func:`~framework.parse_config` built these
+        arguments in (set by it; the trainer saves its every section, yours included, to
+        ``config.yaml``); None for arguments built in code or copied."""
+        return getattr(self, "_run_config", None)  # a slot is unset until parse_config sets it
+
+    @run_config.setter
+    def run_config(self, config: Optional["RunConfig"]) -> None:
+        self._run_config = config
+
+
 @dataclass
-class TrainerArguments:
+class TrainerArguments(_CarriesRunConfig):
     """Arguments of a :class:`~framework.Trainer` run.
 
     Batch sizes: ``train_batch_size`` is the global batch per optimizer step. Each of the
@@ -122,9 +141,6 @@ class TrainerArguments:
     """Arguments of the default checkpointer."""
 
     def __post_init__(self) -> None:
-        self.run_config: Optional[RunConfig] = None
-        """The config :func:`~framework.parse_config` built these arguments in (set by it; the trainer
-        saves its every section to ``config.yaml``); None for arguments built in code. Not a field."""
         if isinstance(self.checkpointer_args, dict):
             self.checkpointer_args = DefaultCheckpointerArguments(**self.checkpointer_args)
         check_field_types(self, "TrainerArguments")  # types first: the range checks below compare numbers

@@ -94,12 +94,12 @@ class TimedCheckpointer(DefaultCheckpointer):
         self.waits: List[float] = []
         self.writes: List[Tuple[float, float]] = []
 
-    def save(self, checkpoint: Any, index: int, force: bool = False) -> Optional[str]:
+    def save(self, checkpoint: Any, epoch: int, force: bool = False) -> Optional[str]:
         if force:  # the benchmark's saves; epoch ends (force=False, period=0) save nothing and do not wait
             started = time.perf_counter()
             self.wait()
             self.waits.append(time.perf_counter() - started)
-        return super().save(checkpoint, index, force)
+        return super().save(checkpoint, epoch, force)
 
     def _write(self, name: str, global_step: int, data: Dict[str, Any]) -> None:
         started = time.perf_counter()

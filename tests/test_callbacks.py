@@ -135,25 +135,72 @@ def test_early_stopping_with_a_misspelt_monitor_fails_fast(tmp_path):
     assert trainer.epochs_finished == 1
 
 
+class CountSteps(Callback):
+    """A user's callback with state, in torch's protocol (``state_dict``/``load_state_dict``)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_end_optimizer_step(self, global_step):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
 def test_callback_states_survive_checkpoint_resume(tmp_path):
     checkpoints = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt"), period=1)
-    first_stopper, first_timer = EarlyStopping(patience=5), Timer()
-    first = Trainer(ToyModule(lr=0.0, scheduler=None), make_args(tmp_path, checkpoints), callbacks=[first_stopper, first_timer])
+    first_stopper, first_timer, first_counter = EarlyStopping(patience=5), Timer(), CountSteps()
+    first = Trainer(
+        ToyModule(lr=0.0, scheduler=None),
+        make_args(tmp_path, checkpoints),
+        callbacks=[first_stopper, first_timer, first_counter],
+    )
     first.train()
     assert first_stopper.wait == 1 and len(first_timer.epoch_seconds) == 2
+    assert first_counter.steps == first.global_steps_finished > 0
 
     resume = DefaultCheckpointerArguments(save_dir=str(tmp_path / "ckpt2"), load_dir=str(tmp_path / "ckpt"), period=0)
-    stopper, timer = EarlyStopping(patience=5), Timer()
+    stopper, timer, counter = EarlyStopping(patience=5), Timer(), CountSteps()
     second = Trainer(
-        ToyModule(lr=0.0, scheduler=None), make_args(tmp_path / "resumed", resume, epochs=4), callbacks=[stopper, timer]
+        ToyModule(lr=0.0, scheduler=None),
+        make_args(tmp_path / "resumed", resume, epochs=4),
+        callbacks=[stopper, timer, counter],
     )
     history = second.train()
+    assert counter.steps == second.global_steps_finished == 2 * first.global_steps_finished  # restored, then counted on
     assert second.epochs_finished == 4 and len(history.values("val_loss")) == 4
     assert stopper.best == first_stopper.best and stopper.best_step == 8
     assert stopper.wait == 3  # 1 restored + 2 new checks
     assert len(timer.epoch_seconds) == 4 and timer.epoch_seconds[:2] == first_timer.epoch_seconds
     times = history.values("train_time")
     assert times == sorted(times) and timer.total_seconds > first_timer.total_seconds
+
+
+def test_a_callback_or_checkpointer_with_the_old_state_method_names_is_refused_at_definition():
+    with pytest.raises(TypeError, match=r"OldCounter defines get_state.*rename get_state -> state_dict"):
+
+        class OldCounter(Callback):
+            def get_state(self):
+                return {"steps": 1}
+
+    with pytest.raises(TypeError, match=r"OldRestore defines update_state.*update_state -> load_state_dict"):
+
+        class OldRestore(Callback):
+            def update_state(self, state):
+                pass
+
+    with pytest.raises(TypeError, match=r"OldCheckpointer defines get_state and update_state.*docs/checkpointing.md"):
+
+        class OldCheckpointer(DefaultCheckpointer):
+            def get_state(self):
+                return {}
+
+            def update_state(self, state):
+                pass
 
 
 # -- TerminateOnNaN -----------------------------------------------------------------------

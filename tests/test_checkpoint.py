@@ -100,7 +100,7 @@ def test_round_trip_local_and_memory(tmp_path, kind):
     checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory, resume="auto"))
     assert checkpointer.load() is None  # nothing there yet: start fresh
     written = make_checkpoint(7, value=1.5, metrics={"val_loss": 0.25})
-    location = checkpointer.save(written, index=1, force=True)
+    location = checkpointer.save(written, epoch=1, force=True)
     assert location == storage.join(directory, "checkpoint-000000007.pt")
     assert names_in(directory) == ["checkpoint-000000007.pt"]  # no temporary left behind
     loaded = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory, resume="auto")).load()
@@ -139,7 +139,7 @@ def test_pickled_object_is_refused_with_opt_in_hint(tmp_path):
 def test_truncated_newest_is_reported_and_previous_used(tmp_path, checkpoint_log):
     checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path), resume="auto"))
     for step in (2, 4, 6):
-        checkpointer.save(make_checkpoint(step, value=step), index=0, force=True)
+        checkpointer.save(make_checkpoint(step, value=step), epoch=0, force=True)
     newest = tmp_path / checkpoint_name(6)
     newest.write_bytes(newest.read_bytes()[:100])
     loaded = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path), resume="auto")).load()
@@ -170,7 +170,7 @@ def test_keep_last_and_best_leave_exactly_expected_files(mode, best):
     args = DefaultCheckpointerArguments(save_dir=directory, keep_last_n=2, keep_best_n=2, metric="val_loss", mode=mode)
     checkpointer = DefaultCheckpointer(args)
     for step, score in scores.items():
-        checkpointer.save(make_checkpoint(step, metrics={"val_loss": score}), index=step, force=True)
+        checkpointer.save(make_checkpoint(step, metrics={"val_loss": score}), epoch=step, force=True)
     expected = {5, 6} | best
     assert names_in(directory) == sorted(checkpoint_name(step) for step in expected)
     best_step = min(scores, key=scores.get) if mode == "min" else max(scores, key=scores.get)
@@ -180,18 +180,18 @@ def test_keep_last_and_best_leave_exactly_expected_files(mode, best):
 def test_unscored_checkpoints_are_never_best(tmp_path):
     args = DefaultCheckpointerArguments(save_dir=str(tmp_path), keep_last_n=1, keep_best_n=1)
     checkpointer = DefaultCheckpointer(args)
-    checkpointer.save(make_checkpoint(10, metrics={"val_loss": 0.5}), index=1, force=True)  # validated
+    checkpointer.save(make_checkpoint(10, metrics={"val_loss": 0.5}), epoch=1, force=True)  # validated
     for step in (13, 16):  # mid-epoch saves: no val_loss measured on these weights
-        checkpointer.save(make_checkpoint(step, metrics={"train_loss": 0.1}), index=1, force=True)
+        checkpointer.save(make_checkpoint(step, metrics={"train_loss": 0.1}), epoch=1, force=True)
     assert names_in(tmp_path) == [checkpoint_name(10), checkpoint_name(16)]
 
 
 def test_checkpoints_of_an_abandoned_timeline_are_set_aside(tmp_path):
     checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path), resume="auto"))
     for step in (10, 20, 30):
-        checkpointer.save(make_checkpoint(step), index=0, force=True)
+        checkpointer.save(make_checkpoint(step), epoch=0, force=True)
     # A run resumed from step 10 writes step 15: 20 and 30 belong to the run it replaced.
-    checkpointer.save(make_checkpoint(15), index=0, force=True)
+    checkpointer.save(make_checkpoint(15), epoch=0, force=True)
     assert names_in(tmp_path) == sorted(
         [checkpoint_name(10), checkpoint_name(15), checkpoint_name(20) + STALE_SUFFIX, checkpoint_name(30) + STALE_SUFFIX]
     )
@@ -279,7 +279,7 @@ def test_async_save_copies_state_before_returning(tmp_path):
     checkpointer = DefaultCheckpointer(args)
     weights = torch.zeros(1000)
     checkpoint = Checkpoint({"model": {"w": weights}}, {}, {}, global_step=1)
-    checkpointer.save(checkpoint, index=0, force=True)
+    checkpointer.save(checkpoint, epoch=0, force=True)
     weights.add_(1.0)  # training goes on while the background thread writes
     checkpointer.wait()
     assert torch.equal(checkpointer.load().module_state["model"]["w"], torch.zeros(1000))
@@ -311,11 +311,11 @@ def test_async_save_error_surfaces_on_next_save_and_at_the_end(tmp_path):
     blocker.write_text("not a directory")
     failing = str(blocker / "ckpt")
     checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=failing, async_save=True))
-    checkpointer.save(make_checkpoint(1), index=0, force=True)  # returns: the write fails in the background
+    checkpointer.save(make_checkpoint(1), epoch=0, force=True)  # returns: the write fails in the background
     with pytest.raises(RuntimeError, match="background checkpoint save failed") as raised:
-        checkpointer.save(make_checkpoint(2), index=0, force=True)
+        checkpointer.save(make_checkpoint(2), epoch=0, force=True)
     assert "a-file" in str(raised.value)
-    checkpointer.save(make_checkpoint(3), index=0, force=True)
+    checkpointer.save(make_checkpoint(3), epoch=0, force=True)
     with pytest.raises(RuntimeError, match="background checkpoint save failed"):
         checkpointer.wait()  # the end of training reports the last one
 

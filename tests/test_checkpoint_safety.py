@@ -153,12 +153,12 @@ def test_loading_from_its_own_save_dir_continues_the_run(tmp_path):
     directory = str(tmp_path / "ckpt")
     writer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory))
     for step in (10, 20):
-        writer.save(make_checkpoint(step), index=0, force=True)
+        writer.save(make_checkpoint(step), epoch=0, force=True)
 
     fresh = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory))
     assert not fresh.continues_existing_run()
     with pytest.raises(RunDirectoryInUse, match="ckpt"):
-        fresh.save(make_checkpoint(5), index=0, force=True)  # without the trainer, the first save checks
+        fresh.save(make_checkpoint(5), epoch=0, force=True)  # without the trainer, the first save checks
     with pytest.raises(RunDirectoryInUse):
         fresh.save_model({"model": {}}, 5)
     assert names_in(directory) == [checkpoint_name(10), checkpoint_name(20)]
@@ -171,7 +171,7 @@ def test_loading_from_its_own_save_dir_continues_the_run(tmp_path):
         DefaultCheckpointerArguments(save_dir=directory, load_filename=os.path.join(directory, checkpoint_name(10)))
     )
     assert by_file.continues_existing_run() and by_file.load().global_step == 10
-    by_file.save(make_checkpoint(15), index=0, force=True)  # this run's own future is set aside, as before
+    by_file.save(make_checkpoint(15), epoch=0, force=True)  # this run's own future is set aside, as before
     assert names_in(directory) == [checkpoint_name(10), checkpoint_name(15), checkpoint_name(20) + STALE_SUFFIX]
 
     elsewhere = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path / "new"), load_dir=directory))
@@ -181,7 +181,7 @@ def test_loading_from_its_own_save_dir_continues_the_run(tmp_path):
 
 def test_owning_run_removes_leftover_temporaries(tmp_path, checkpoint_log):
     directory = tmp_path / "ckpt"
-    DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(directory))).save(make_checkpoint(4), index=0, force=True)
+    DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(directory))).save(make_checkpoint(4), epoch=0, force=True)
     leftovers = [f".checkpoint-000000008.pt.{'a' * 32}.tmp", f".model-000000008.pt.{'b' * 32}.tmp"]
     for name in leftovers:
         (directory / name).write_bytes(b"half a file")
@@ -248,29 +248,29 @@ def test_nan_and_inf_rank_worst_in_both_modes(tmp_path, mode, best_step):
     args = DefaultCheckpointerArguments(save_dir=str(tmp_path), keep_last_n=1, keep_best_n=1, mode=mode, save_non_finite=True)
     checkpointer = DefaultCheckpointer(args)
     for step, score in scores.items():
-        checkpointer.save(make_checkpoint(step, metrics={"val_loss": score}), index=step, force=True)
+        checkpointer.save(make_checkpoint(step, metrics={"val_loss": score}), epoch=step, force=True)
         if step >= best_step:  # once written, the best survives every NaN and inf after it
             assert (tmp_path / checkpoint_name(best_step)).exists()
     assert names_in(str(tmp_path)) == sorted([checkpoint_name(best_step), checkpoint_name(7)])
     assert checkpointer.best_checkpoint() == str(tmp_path / checkpoint_name(best_step))
 
     only_nan = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path / "nan"), save_non_finite=True, mode=mode))
-    only_nan.save(make_checkpoint(1, metrics={"val_loss": float("nan")}), index=1, force=True)
+    only_nan.save(make_checkpoint(1, metrics={"val_loss": float("nan")}), epoch=1, force=True)
     assert only_nan.best_checkpoint() is None
 
 
 def test_non_finite_checkpoints_are_skipped_with_a_warning(tmp_path, checkpoint_log):
     checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path)))
-    assert checkpointer.save(make_checkpoint(1, metrics={"val_loss": 0.5}), index=0, force=True)
-    assert checkpointer.save(make_checkpoint(2, metrics={"val_loss": float("nan")}), index=0, force=True) is None
-    assert checkpointer.save(make_checkpoint(3, value=float("inf"), metrics={"val_loss": 0.4}), index=0, force=True) is None
+    assert checkpointer.save(make_checkpoint(1, metrics={"val_loss": 0.5}), epoch=0, force=True)
+    assert checkpointer.save(make_checkpoint(2, metrics={"val_loss": float("nan")}), epoch=0, force=True) is None
+    assert checkpointer.save(make_checkpoint(3, value=float("inf"), metrics={"val_loss": 0.4}), epoch=0, force=True) is None
     assert names_in(str(tmp_path)) == [checkpoint_name(1)]
     warnings = [r.getMessage() for r in checkpoint_log if r.levelno == logging.WARNING]
     assert any("step 2 not written" in w and "val_loss is nan" in w for w in warnings), warnings
     assert any("step 3 not written" in w and "'model.w'" in w and "save_non_finite" in w for w in warnings), warnings
 
     allowed = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path / "allowed"), save_non_finite=True))
-    assert allowed.save(make_checkpoint(3, value=float("inf")), index=0, force=True)
+    assert allowed.save(make_checkpoint(3, value=float("inf")), epoch=0, force=True)
     assert torch.isinf(allowed.read(str(tmp_path / "allowed" / checkpoint_name(3))).module_state["model"]["w"]).all()
 
 
@@ -326,7 +326,7 @@ def _torch_zip_with(data_pkl: bytes) -> bytes:
 
 def _good_then(directory: Any, newest: bytes) -> str:
     """``directory`` holding a good checkpoint at step 2 and ``newest`` at step 4; returns the newest's path."""
-    DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(directory))).save(make_checkpoint(2), index=0, force=True)
+    DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(directory))).save(make_checkpoint(2), epoch=0, force=True)
     path = os.path.join(directory, checkpoint_name(4))
     with open(path, "wb") as handle:
         handle.write(newest)
@@ -373,7 +373,7 @@ def test_pickle_zip_polyglot_is_refused(tmp_path, weights_only):
 def test_only_damaged_files_fall_back(tmp_path):
     path = _good_then(tmp_path, b"")
     DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=str(tmp_path / "x"))).save(
-        make_checkpoint(4, value=7.25), index=0, force=True
+        make_checkpoint(4, value=7.25), epoch=0, force=True
     )
     data = bytearray((tmp_path / "x" / checkpoint_name(4)).read_bytes())
     weights = data.index(struct.pack("<4f", 7.25, 7.25, 7.25, 7.25))
@@ -466,7 +466,7 @@ def faulty() -> type:
 def _two_checkpoints(directory: str) -> None:
     writer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir=directory))
     for step in (2, 4):
-        writer.save(make_checkpoint(step, value=step), index=0, force=True)
+        writer.save(make_checkpoint(step, value=step), epoch=0, force=True)
 
 
 def test_passing_storage_errors_are_retried(faulty, checkpoint_log):

@@ -249,7 +249,7 @@ def test_the_trainer_writes_the_resolved_config_with_user_sections(tmp_path):
             "--model.width=5",
         ],
     )
-    assert resolved_config(config.trainer) is config
+    assert resolved_config(config.trainer) is config and config.trainer.run_config is config
     Trainer(ToyModule(val_loaders=0), config.trainer).train()
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert len(saved.pop("run_id")) == 32  # the run's id first (framework/run/run_identity.py)

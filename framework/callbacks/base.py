@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING, Any, Dict
 
 from framework.loop.hooks import TrainingHooks
+from framework.stateful import refuse_renamed_state_methods
 
 if TYPE_CHECKING:
     from framework.loop.view import TrainerView
@@ -36,8 +37,10 @@ class Callback(TrainingHooks):
 
     The trainer calls the module's hook, then each callback's, in list order. Before
     training it calls :meth:`setup`, so hooks can reach ``self.trainer`` (its ``history``,
-    ``module``, ``should_stop``...). A callback with state returns it from
-    :meth:`get_state`; it is saved in checkpoints and restored on resume.
+    ``module``, ``should_stop``...). A callback with state speaks torch's protocol: it returns
+    the state from :meth:`state_dict`, which is saved in checkpoints, and :meth:`load_state_dict`
+    restores it on resume. A subclass that still defines the old names ``get_state`` /
+    ``update_state`` is refused with a ``TypeError`` when the class is defined.
 
     Example:
         >>> class PrintEpochs(Callback):
@@ -47,13 +50,17 @@ class Callback(TrainingHooks):
 
     trainer: "TrainerView"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_renamed_state_methods(cls, "docs/callbacks.md")
+
     def setup(self, trainer: "TrainerView") -> None:
         """Called once before training, validation or testing starts."""
         self.trainer = trainer
 
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         """State to keep in checkpoints."""
         return {}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""

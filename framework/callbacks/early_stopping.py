@@ -119,7 +119,7 @@ class EarlyStopping(Callback):
                 self.trainer.history.names(),
             )
 
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         return {
             "best": self.best,
             "best_step": self.best_step,
@@ -128,7 +128,7 @@ class EarlyStopping(Callback):
             "reason": self.reason,
         }
 
-    def update_state(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         if not state:
             return
         self.best = float(state["best"])

@@ -146,11 +146,11 @@ class SWA(WeightAveraging):
                 norm.momentum = momentum
             trainer.module.train(was_training)
 
-    def get_state(self) -> Dict[str, Any]:
-        state = super().get_state()
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
         return {**state, "start_lrs": self.start_lrs} if state else state
 
-    def update_state(self, state: Dict[str, Any]) -> None:
-        super().update_state(state)
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
         if state:
             self.start_lrs = state["start_lrs"]

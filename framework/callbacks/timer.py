@@ -57,10 +57,10 @@ class Timer(Callback):
         self._previous_runs, self._run_start = self.total_seconds, None
         self.trainer.log_metrics({f"{self.prefix}train_time": self._previous_runs})
 
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         return {"total_seconds": self.total_seconds, "epoch_seconds": list(self.epoch_seconds)}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         if not state:
             return
         # The trainer restores state before on_begin_train starts this run's clock.

@@ -158,14 +158,14 @@ class WeightAveraging(Callback):
         self._end_evaluation()
 
     # -- checkpoints ------------------------------------------------------------------------
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         if self.averaged is None:
             return {}
         if self._swapped:  # a checkpoint taken during evaluation keeps the average where it belongs
             raise RuntimeError(f"{type(self).__name__}: a checkpoint cannot be taken while the average is swapped in")
         return {"averaged": self.averaged.state_dict()}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         if not state:
             return
         self._ready()[0].load_state_dict(state["averaged"])

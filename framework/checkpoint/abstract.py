@@ -7,6 +7,7 @@ import torch
 
 from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint.checkpoint import Checkpoint
+from framework.stateful import refuse_renamed_state_methods
 
 
 class AbstractCheckpointer(abc.ABC):
@@ -14,38 +15,48 @@ class AbstractCheckpointer(abc.ABC):
 
     The trainer hands it the strategy (:meth:`setup`), calls :meth:`prepare_run` once on rank
     zero before anything is written, then :meth:`load_into` once before training; :meth:`save`
-    at every epoch end (``index`` = epochs finished) and, with ``force=True``, on demand, at
+    at every epoch end (``epoch`` = epochs finished) and, with ``force=True``, on demand, at
     step triggers and at the end. Every rank calls :meth:`save` and :meth:`load_into`, with the
     same arguments: the files themselves are written and read through
     ``self.strategy.save_checkpoint`` / ``load_checkpoint`` (one file from rank zero, or shards
-    from every rank), so a checkpointer holds policy only and works on every backend.
+    from every rank), so a checkpointer holds policy only and works on every backend. State it
+    keeps inside checkpoints goes through :meth:`state_dict` / :meth:`load_state_dict` (a
+    subclass defining the old names ``get_state`` / ``update_state`` is refused at definition).
 
     Example:
         >>> class InMemory(AbstractCheckpointer):
         ...     def __init__(self):
         ...         self.saved = {}
-        ...     def save(self, checkpoint, index, force=False):
-        ...         self.saved[index] = checkpoint
-        ...     def save_model(self, state, index):
+        ...     def save(self, checkpoint, epoch, force=False):
+        ...         self.saved[checkpoint.global_step] = checkpoint
+        ...     def save_model(self, state, step):
         ...         pass
         ...     def load(self):
         ...         return self.saved[max(self.saved)] if self.saved else None
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_renamed_state_methods(cls, "docs/checkpointing.md")
+
     strategy: Strategy = SingleProcess()
     """Where the run's processes are (set by :meth:`setup`; one process until then)."""
+    loaded_from: Optional[str] = None
+    """Path or URL of the checkpoint :meth:`load_into` returned, for messages; None when unknown."""
 
     def setup(self, strategy: Strategy) -> None:
         """Told once, by the trainer, which strategy writes and reads the checkpoints."""
         self.strategy = strategy
 
     @abc.abstractmethod
-    def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
-        """Save ``checkpoint`` if ``index`` is due (or ``force``); return where it went, or None."""
+    def save(self, checkpoint: Checkpoint, epoch: int, force: bool = False) -> Optional[str]:
+        """Save ``checkpoint`` if a save is due after ``epoch`` epochs finished (or ``force``);
+        return where it went, or None. The trainer passes both positionally."""
 
     @abc.abstractmethod
-    def save_model(self, state: Dict[str, Any], index: int) -> Optional[str]:
-        """Write a model-only export (e.g. for inference); return where it went."""
+    def save_model(self, state: Dict[str, Any], step: int) -> Optional[str]:
+        """Write a model-only export (e.g. for inference) taken after ``step`` optimizer steps;
+        return where it went."""
 
     @abc.abstractmethod
     def load(self) -> Optional[Checkpoint]:
@@ -102,9 +113,9 @@ class AbstractCheckpointer(abc.ABC):
     def wait(self) -> None:
         """Block until background writes finish; re-raise their errors."""
 
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         """Checkpointer state kept inside checkpoints (e.g. scores for best-k retention)."""
         return {}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""

@@ -18,7 +18,7 @@ class Checkpoint:
 
     Attributes:
         module_state: ``ModuleInterface.get_state()`` (the model weights, plus user extras).
-        trainer_state: ``Trainer.get_state()`` (counters, optimizers, schedulers, RNG,
+        trainer_state: ``Trainer.state_dict()`` (counters, optimizers, schedulers, RNG,
             sampler, callbacks, metric history).
         backend_state: ``TrainerBackend.get_state()`` (the gradient scaler).
         global_step: optimizer steps finished when it was taken.

@@ -1,12 +1,9 @@
 """DefaultCheckpointer: when and where checkpoints are written, which are kept, which one a run
 resumes from, for every backend (the strategy writes and reads each checkpoint)."""
 
-import collections
 import logging
-import re
-import threading
 import time
-from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import IO, Any, Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -17,120 +14,33 @@ from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.async_writer import BackgroundWriter
 from framework.checkpoint.checkpoint import Checkpoint
 from framework.checkpoint.file_io import FileIO
-from framework.checkpoint.finite import best_first, first_non_finite_tensor, is_finite_score
+from framework.checkpoint.finite import first_non_finite_tensor, is_finite_score
 from framework.checkpoint.plan import describe_checkpointing
+from framework.checkpoint.resume import load_latest, loaded_directory
+from framework.checkpoint.retention import (
+    ANY_TEMPORARY,
+    STALE_SUFFIX,
+    CheckpointScores,
+    apply_retention,
+    basename,
+    checkpoint_entries,
+    checkpoint_name,
+    model_name,
+)
+from framework.checkpoint.staging import StagingBuffers, copy_to_cpu
 from framework.run.run_directory import RUN_ENTRY, RunDirectoryInUse, ways_on
 
 logger = logging.getLogger(__name__)
 
-STALE_SUFFIX = ".stale"
-"""Checkpoints newer than the one a resumed run writes are renamed ``<name>.stale`` (see ``save``)."""
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)(\.pt)?$")  # a file, or a directory of shards
-_TEMPORARY = r"\.pt\.[0-9a-f]+" + re.escape(storage.TEMPORARY_SUFFIX) + "$"
-_CHECKPOINT_TEMPORARY = re.compile(r"^\.checkpoint-\d+" + _TEMPORARY)
-_ANY_TEMPORARY = re.compile(r"^\.(checkpoint|model)-\d+(" + _TEMPORARY + r"|\.partial$)")  # files; sharded: directories
-
-
-def checkpoint_name(global_step: int, suffix: str = ".pt") -> str:
-    """Name of the checkpoint taken after ``global_step`` optimizer steps (``suffix``: the
-    strategy's ``checkpoint_suffix``; ``""`` names a directory of shards)."""
-    return f"checkpoint-{global_step:09d}{suffix}"
-
-
-def model_name(index: int) -> str:
-    """File name of the model-only export taken after ``index`` optimizer steps."""
-    return f"model-{index:09d}.pt"
-
-
-def copy_to_cpu(obj: Any, _memo: Optional[Dict[int, torch.Tensor]] = None) -> Any:
-    """A copy of ``obj`` whose tensors are fresh CPU tensors (safe to write while training goes on).
-
-    Dicts, lists and tuples are rebuilt, so later in-place changes to the originals do not
-    reach the copy; a tensor that appears twice is copied once.
-
-    Example:
-        >>> weights = torch.ones(2)
-        >>> copy = copy_to_cpu({"w": weights})
-        >>> _ = weights.add_(1)
-        >>> copy["w"]
-        tensor([1., 1.])
-    """
-    memo = {} if _memo is None else _memo
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.detach().to("cpu", copy=True)
-        return memo[id(obj)]
-    if isinstance(obj, dict):
-        copied = {key: copy_to_cpu(value, memo) for key, value in obj.items()}
-        return collections.OrderedDict(copied) if isinstance(obj, collections.OrderedDict) else copied
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(copy_to_cpu(value, memo) for value in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(copy_to_cpu(value, memo) for value in obj)
-    return obj
-
-
-class StagingBuffers:
-    """CPU copies of a state for asynchronous saves, reusing the previous save's buffers.
-
-    Reusing buffers of the same shape and dtype avoids allocating (and page-faulting) the
-    whole checkpoint again at every save; buffers are pinned when the source is on a GPU,
-    so the device-to-host copies run asynchronously and are awaited once. Only safe when
-    the write of the previous copy has finished (the checkpointer waits for it first).
-
-    Example:
-        >>> staging = StagingBuffers()
-        >>> weights = torch.ones(2)
-        >>> first = staging.copy({"w": weights})
-        >>> second = staging.copy({"w": weights * 2})
-        >>> second["w"].data_ptr() == first["w"].data_ptr(), second["w"]
-        (True, tensor([2., 2.]))
-    """
-
-    def __init__(self) -> None:
-        self._buffers: Dict[Tuple[Any, ...], torch.Tensor] = {}
-
-    def copy(self, obj: Any) -> Any:
-        """``obj`` with every tensor copied into a CPU buffer (containers rebuilt)."""
-        used: Dict[Tuple[Any, ...], torch.Tensor] = {}
-        memo: Dict[int, torch.Tensor] = {}
-        result = self._copy(obj, (), used, memo)
-        self._buffers = used
-        if any(buffer.is_pinned() for buffer in used.values()):
-            torch.cuda.synchronize()
-        return result
-
-    def _copy(
-        self, obj: Any, path: Tuple[Any, ...], used: Dict[Tuple[Any, ...], torch.Tensor], memo: Dict[int, torch.Tensor]
-    ) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if id(obj) in memo:
-                return memo[id(obj)]
-            source = obj.detach()
-            if source.layout != torch.strided or source.is_quantized or type(source) is not torch.Tensor:
-                copied = source.to("cpu", copy=True)
-            else:
-                buffer = self._buffers.get(path)
-                if (
-                    buffer is None
-                    or buffer.shape != source.shape
-                    or buffer.dtype != source.dtype
-                    or buffer.stride() != source.stride()
-                ):
-                    pin = source.is_cuda and torch.cuda.is_available()
-                    buffer = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, pin_memory=pin)
-                buffer.copy_(source, non_blocking=source.is_cuda)
-                used[path] = copied = buffer
-            memo[id(obj)] = copied
-            return copied
-        if isinstance(obj, dict):
-            copied_dict = {key: self._copy(value, (*path, key), used, memo) for key, value in obj.items()}
-            return collections.OrderedDict(copied_dict) if isinstance(obj, collections.OrderedDict) else copied_dict
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*(self._copy(value, (*path, index), used, memo) for index, value in enumerate(obj)))
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(value, (*path, index), used, memo) for index, value in enumerate(obj))
-        return obj
+__all__ = [  # names tests and other modules import from here
+    "STALE_SUFFIX",
+    "DefaultCheckpointer",
+    "checkpoint_name",
+    "copy_to_cpu",
+    "default_checkpointer",
+    "loaded_directory",
+    "model_name",
+]
 
 
 class DefaultCheckpointer(AbstractCheckpointer):
@@ -178,7 +88,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
     Example:
         >>> checkpointer = DefaultCheckpointer(DefaultCheckpointerArguments(save_dir="memory://doc", resume="auto"))
-        >>> checkpointer.save(Checkpoint({"model": {}}, {}, {}, global_step=5), index=1)
+        >>> checkpointer.save(Checkpoint({"model": {}}, {}, {}, global_step=5), epoch=1)
         'memory://doc/checkpoint-000000005.pt'
         >>> checkpointer.load().global_step
         5
@@ -190,8 +100,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
         self.args = args if args is not None else DefaultCheckpointerArguments()
         self.save_dir = str(self.args.save_dir or default_dir)
         self._fs, self._dir = storage.resolve(self.save_dir)
-        self._scores: Dict[str, float] = {}
-        self._lock = threading.Lock()  # _scores is changed by the training and the writer thread
+        self._scores = CheckpointScores()  # changed by the training and the writer thread
         self._writer = BackgroundWriter()
         self._staging = StagingBuffers()
         self._io = FileIO(serialize=self.serialize, weights_only=self.args.weights_only, stage=self._staging.copy)
@@ -227,7 +136,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
             return
         entries = storage.list_entries(self._fs, self._dir)
         if not self.continues_existing_run():
-            taken = sorted(_basename(path) for path in entries if RUN_ENTRY.match(_basename(path)))
+            taken = sorted(basename(path) for path in entries if RUN_ENTRY.match(basename(path)))
             if taken:
                 shown = ", ".join(taken[:4]) + (f", ... ({len(taken)} checkpoints)" if len(taken) > 4 else "")
                 where = (
@@ -238,7 +147,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
                     f"not resume it, so it would overwrite them; {ways_on(where)}"
                 )
         for path in entries:
-            if _ANY_TEMPORARY.match(_basename(path)):  # left by a process killed while saving
+            if ANY_TEMPORARY.match(basename(path)):  # left by a process killed while saving
                 logger.info("removing %s, left by a save that did not finish", self._fs.unstrip_protocol(path))
                 self._fs.rm(path, recursive=True)
         self._prepared = True
@@ -248,11 +157,11 @@ class DefaultCheckpointer(AbstractCheckpointer):
         """Write ``obj`` to the open binary ``handle`` (``torch.save``); override to change the encoding."""
         torch.save(obj, handle)
 
-    def save(self, checkpoint: Checkpoint, index: int, force: bool = False) -> Optional[str]:
-        """Write ``checkpoint`` if ``index`` is due (or ``force``); return where it went, or None
-        when it was not due or not written (NaN). Call on every rank, with the same arguments:
+    def save(self, checkpoint: Checkpoint, epoch: int, force: bool = False) -> Optional[str]:
+        """Write ``checkpoint`` if a save is due after ``epoch`` epochs finished (or ``force``);
+        return where it went, or None when it was not due or not written (NaN). Call on every rank, with the same arguments:
         every rank raises when the write failed on any rank."""
-        if not force and not self.is_epoch_save_due(index):
+        if not force and not self.is_epoch_save_due(epoch):
             return None
         strategy = self.strategy
         if strategy.is_main_process:
@@ -272,24 +181,21 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 where,
             )
             return None
-        score = checkpoint.metrics.get(self.args.metric)
-        with self._lock:
-            if score is not None:
-                self._scores[name] = float(score)
-            else:
-                self._scores.pop(name, None)
+        self._scores.record(name, checkpoint.metrics.get(self.args.metric))
         write = strategy.save_checkpoint(self._url(name), checkpoint.to_dict(), self._io, copy=self.args.async_save)
 
         def job() -> None:
             try:
                 write()
             except BaseException:
-                with self._lock:
-                    self._scores.pop(name, None)
+                self._scores.forget(name)
                 raise
             if strategy.is_main_process:
                 logger.debug("wrote checkpoint %s", self._url(name))
-                self._apply_retention(checkpoint.global_step)
+                args = self.args
+                apply_retention(
+                    self._fs, self._dir, checkpoint.global_step, self._scores, args.keep_last_n, args.keep_best_n, args.mode
+                )
 
         if self.args.async_save:
             self._writer.submit(job)
@@ -330,11 +236,11 @@ class DefaultCheckpointer(AbstractCheckpointer):
             return f"its weights hold NaN or inf (module state {tensor!r})"
         return None
 
-    def save_model(self, state: Dict[str, Any], index: int) -> Optional[str]:
-        """Write ``state`` (the module's full weights) to ``model-<index>.pt`` (call on rank zero);
+    def save_model(self, state: Dict[str, Any], step: int) -> Optional[str]:
+        """Write ``state`` (the module's full weights) to ``model-<step>.pt`` (call on rank zero);
         load it with ``torch.load(path, weights_only=True)``. Model exports are never removed by retention."""
         self.prepare_run()
-        name = model_name(index)
+        name = model_name(step)
         self._io.write(self._url(name), copy_to_cpu(state))
         return self._url(name)
 
@@ -354,51 +260,11 @@ class DefaultCheckpointer(AbstractCheckpointer):
         return storage.join(self.save_dir, name)
 
     # -- retention ------------------------------------------------------------------
-    def _checkpoint_entries(self, fs: Any, directory: str) -> List[Tuple[int, str]]:
-        """``(step, path)`` of the checkpoints (files or directories) in ``directory``, newest first."""
-        named = []
-        for path in storage.list_entries(fs, directory):
-            match = _CHECKPOINT_NAME.match(_basename(path))
-            if match:
-                named.append((int(match.group(1)), path))
-        return sorted(named, reverse=True)
-
-    def _apply_retention(self, written_step: int) -> None:
-        entries = self._checkpoint_entries(self._fs, self._dir)
-        for step, path in entries:
-            if step > written_step:
-                logger.warning(
-                    "checkpoint %s is newer (step %d) than the one this run just wrote (step %d): it was written before "
-                    "this run was resumed from an older checkpoint; renamed to %s so it is never resumed from",
-                    self._fs.unstrip_protocol(path),
-                    step,
-                    written_step,
-                    _basename(path) + STALE_SUFFIX,
-                )
-                self._fs.mv(path, path + STALE_SUFFIX, recursive=True)
-        paths = [path for step, path in entries if step <= written_step]
-        for path in storage.list_files(self._fs, self._dir):
-            if _CHECKPOINT_TEMPORARY.match(_basename(path)):  # left by a process killed while saving
-                self._fs.rm(path)
-        if self.args.keep_last_n is None:
-            return
-        keep = set(paths[: self.args.keep_last_n])
-        with self._lock:
-            if self.args.keep_best_n:
-                present = {_basename(path): path for path in paths}
-                scores = {name: score for name, score in self._scores.items() if name in present}
-                keep.update(present[name] for name in best_first(scores, self.args.mode)[: self.args.keep_best_n])
-            for path in paths:
-                if path not in keep:
-                    self._fs.rm(path, recursive=True)
-                    self._scores.pop(_basename(path), None)
-
     def best_checkpoint(self) -> Optional[str]:
         """URL of the best checkpoint by ``metric`` among those this run scored (NaN and inf
         never are), or None."""
-        with self._lock:
-            ranked = best_first(self._scores, self.args.mode)
-        return self._url(ranked[0]) if ranked else None
+        best = self._scores.best(self.args.mode)
+        return None if best is None else self._url(best)
 
     # -- loading --------------------------------------------------------------------
     def resume_source(self) -> Optional[str]:
@@ -407,7 +273,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
         ``resume="auto"`` comes first when ``save_dir`` holds a checkpoint (a restarted run
         continues itself); otherwise ``load_filename``, then ``load_dir``.
         """
-        if self.args.resume == "auto" and self._checkpoint_entries(self._fs, self._dir):
+        if self.args.resume == "auto" and checkpoint_entries(self._fs, self._dir):
             return self.save_dir
         return self.args.load_filename or self.args.load_dir or None
 
@@ -459,35 +325,16 @@ class DefaultCheckpointer(AbstractCheckpointer):
         self.resumed_own_run = storage.same_location(loaded_directory(self.loaded_from), self.save_dir)
         score = checkpoint.metrics.get(self.args.metric)
         if self.resumed_own_run and score is not None:
-            with self._lock:
-                self._scores[checkpoint_name(checkpoint.global_step, self.strategy.checkpoint_suffix)] = float(score)
+            self._scores.record(checkpoint_name(checkpoint.global_step, self.strategy.checkpoint_suffix), score)
         return checkpoint
 
     def _load_latest(self, source: str, read: Callable[[str], Checkpoint]) -> Optional[Checkpoint]:
-        """The newest checkpoint in ``source`` that ``read`` reads back; reports and skips the
-        damaged ones. A refused one stops the search."""
-        fs, directory = storage.resolve(source)
-        failures = []
-        for _, path in self._checkpoint_entries(fs, directory):
-            url = fs.unstrip_protocol(path)
-            try:
-                checkpoint = read(url)
-            except storage.CheckpointRefused:
-                raise
-            except storage.CorruptCheckpoint as error:  # truncated or damaged: only these fall back
-                logger.warning("checkpoint %s is unreadable and was skipped: %s", url, error)
-                failures.append(f"{url}: {error}")
-                continue
-            if failures:
-                logger.warning("resuming from the newest readable checkpoint %s instead", url)
-            self.loaded_from = url
-            return checkpoint
-        if failures:
-            raise RuntimeError(
-                f"{source} holds {len(failures)} checkpoint(s) and none reads back, so the run cannot resume; "
-                f"move them away to start fresh. " + "; ".join(failures)
-            )
-        return None
+        """The newest readable checkpoint in ``source`` (damaged ones reported and skipped), or None."""
+        found = load_latest(source, read)
+        if found is None:
+            return None
+        checkpoint, self.loaded_from = found
+        return checkpoint
 
     def read(self, url: str) -> Checkpoint:
         """Read and check the checkpoint at ``url`` (path or fsspec URL; a file, or a sharded
@@ -526,16 +373,14 @@ class DefaultCheckpointer(AbstractCheckpointer):
         return self.args.reset_optimizers_schedulers and not self.resumed_own_run
 
     # -- state ----------------------------------------------------------------------
-    def get_state(self) -> Dict[str, Any]:
-        with self._lock:
-            return {"scores": dict(self._scores), "save_dir": self.save_dir}
+    def state_dict(self) -> Dict[str, Any]:
+        return {"scores": self._scores.state_dict(), "save_dir": self.save_dir}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved_dir = state.get("save_dir")
         if saved_dir is not None and not storage.same_location(saved_dir, self.save_dir):
             return  # scores name files of another directory
-        with self._lock:
-            self._scores.update(state.get("scores", {}))
+        self._scores.load_state_dict(state.get("scores", {}))
 
 
 def default_checkpointer(
@@ -546,15 +391,3 @@ def default_checkpointer(
     checkpointer = given if given is not None else DefaultCheckpointer(args, default_dir=default_dir)
     checkpointer.setup(strategy)
     return checkpointer
-
-
-def _basename(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
-
-
-def loaded_directory(loaded_from: Optional[str]) -> str:
-    """The directory of the checkpoint (file or sharded directory) at ``loaded_from``."""
-    if loaded_from is None:
-        raise RuntimeError("a checkpoint was loaded without recording where from")
-    path = loaded_from.rstrip("/")
-    return path.rsplit("/", 1)[0] if "/" in path else "."

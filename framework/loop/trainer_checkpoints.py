@@ -32,12 +32,12 @@ logger = logging.getLogger("framework")
 
 
 class TrainerCheckpoints:
-    """``save_checkpoint``, ``save_model_checkpoint``, ``get_state``/``update_state`` and the
+    """``save_checkpoint``, ``save_model_checkpoint``, ``state_dict``/``load_state_dict`` and the
     restore at setup, for :class:`~framework.Trainer` (which sets every attribute below).
 
     Example:
         trainer.save_checkpoint()          # on every rank, at a step boundary
-        state = trainer.get_state()        # collective under DDP
+        state = trainer.state_dict()       # collective under DDP
     """
 
     args: TrainerArguments
@@ -87,14 +87,19 @@ class TrainerCheckpoints:
         """False under ``fast_dev_run``."""
         return not self.args.fast_dev_run
 
-    def save_checkpoint(self, index: Optional[int] = None, force: bool = True) -> Optional[str]:
-        """Save module, trainer and backend state now (or, with ``force=False``, if ``index`` is due).
+    def save_checkpoint(self, epoch: Optional[int] = None, force: bool = True) -> Optional[str]:
+        """Save module, trainer and backend state now (or, with ``force=False``, if a save is due).
 
         Call it on every rank, at an optimizer-step boundary (e.g. from ``on_end_optimizer_step``)
         for an exact resume. Every rank builds the state (RNG states are gathered) and hands it
         to the checkpointer, which writes through the strategy (one file from rank zero, or
         shards from every rank); every rank raises if the save failed on any rank.
         Returns where the checkpoint went, or None when it was not due.
+
+        Args:
+            epoch: epochs finished, that the checkpointer's epoch schedule is asked about
+                (default: now).
+            force: save whether or not the schedule says a save is due.
         """
         step = self.global_steps_finished
         position = None if self.train_loader is None else self.train_loader.position
@@ -102,11 +107,11 @@ class TrainerCheckpoints:
             position.skip_save(step)  # a checkpoint no later run could resume
             return None
         checkpoint = self._current_checkpoint()
-        return self.checkpointer.save(checkpoint, self.epochs_finished if index is None else index, force=force)
+        return self.checkpointer.save(checkpoint, self.epochs_finished if epoch is None else epoch, force=force)
 
     def _current_checkpoint(self) -> Checkpoint:
         """The run's state now (collective under DDP: call on every rank)."""
-        trainer_state = self.get_state()  # collective under DDP: every rank builds it
+        trainer_state = self.state_dict()  # collective under DDP: every rank builds it
         step = self.global_steps_finished
         return Checkpoint(
             module_state=self.module.get_state(),
@@ -134,7 +139,7 @@ class TrainerCheckpoints:
                 f"the ranks loaded different checkpoints (global step per rank: {steps}); every rank must "
                 f"see the same checkpoint directory: use a shared filesystem or URL for save_dir/load_dir"
             )
-        path = getattr(self.checkpointer, "loaded_from", None)
+        path = self.checkpointer.loaded_from
         saved_run_id = None if checkpoint is None else checkpoint.trainer_state.get(RUN_ID_KEY)
         self.run_id = self._identity.after_load(saved_run_id, self.checkpointer.resumed_automatically(), path)
         if checkpoint is None:
@@ -147,7 +152,7 @@ class TrainerCheckpoints:
         check_optimizer_classes(checkpoint.trainer_state, self.optimizers, path)
         with checks.naming_missing_keys(path, "trainer state"):
             self.backend.update_state(checkpoint.backend_state)
-            self.update_state(checkpoint.trainer_state)
+            self.load_state_dict(checkpoint.trainer_state)
 
     def _own_module_state(self, trainer_state: Dict[str, Any]) -> Dict[str, Any]:
         """This rank's entries of the module's ``get_state()`` besides its weights (``"model"``),
@@ -158,7 +163,7 @@ class TrainerCheckpoints:
             return {}
         return dict(ranks[self.backend.rank % len(ranks)].get("module", {}))
 
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
         schedulers, callbacks, history, and per rank: RNG states, running losses, logged values,
         the loader's or dataset's ``state_dict()``, and the module's ``get_state()`` entries other
@@ -179,14 +184,14 @@ class TrainerCheckpoints:
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
             OPTIMIZER_TYPES_KEY: optimizer_types(self.optimizers),
             "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
-            "callbacks": [{"type": type(callback).__name__, "state": callback.get_state()} for callback in self.callbacks],
-            "checkpointer": self.checkpointer.get_state(),
+            "callbacks": [{"type": type(callback).__name__, "state": callback.state_dict()} for callback in self.callbacks],
+            "checkpointer": self.checkpointer.state_dict(),
             "history": self.history.state_dict(),
             "loggers": self.loggers.state_dict(),  # e.g. a tracker's run id, so a resumed run logs into it
         }
 
-    def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned (optimizers must exist: call inside train)."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (optimizers must exist: call inside train)."""
         world_size = self.backend.world_size
         if self.args.gpu_batch_size_limit == "auto":  # the micro-batch found before: no search on resume
             self._use_saved_micro_batch(state.get("micro_batch_size"))
@@ -218,8 +223,8 @@ class TrainerCheckpoints:
             match = next((entry for entry in saved_callbacks if entry["type"] == type(callback).__name__), None)
             if match is not None:
                 saved_callbacks.remove(match)
-                callback.update_state(match["state"])
-        self.checkpointer.update_state(state.get("checkpointer", {}))
+                callback.load_state_dict(match["state"])
+        self.checkpointer.load_state_dict(state.get("checkpointer", {}))
         self.history.load_state_dict(state["history"])
         self.loggers.load_state_dict(state.get("loggers", {}))
 

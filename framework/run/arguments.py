@@ -1,7 +1,7 @@
 """TrainerArguments: every knob of a training run, checked when it is built."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.loggers.base import Logger
@@ -13,8 +13,27 @@ PROFILERS = ("off", "throughput", "torch")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+class _CarriesRunConfig:
+    """Keeps the config :func:`~framework.parse_config` built the arguments in, in a slot: outside
+    the instance ``__dict__`` and the dataclass fields, so ``vars(args)``, ``==``, ``repr`` and
+    ``dataclasses.asdict`` see the settings only (``TrainerArguments(**vars(args))`` copies them)."""
+
+    __slots__ = ("_run_config",)
+
+    @property
+    def run_config(self) -> Optional[Any]:  # a RunConfig (not imported: framework.run.config imports this file)
+        """The :class:`~framework.run.config.RunConfig` that :func:`~framework.parse_config` built these
+        arguments in (set by it; the trainer saves its every section, yours included, to
+        ``config.yaml``); None for arguments built in code or copied."""
+        return getattr(self, "_run_config", None)  # a slot is unset until parse_config sets it
+
+    @run_config.setter
+    def run_config(self, config: Optional[Any]) -> None:
+        self._run_config = config
+
+
 @dataclass
-class TrainerArguments:
+class TrainerArguments(_CarriesRunConfig):
     """Arguments of a :class:`~framework.Trainer` run.
 
     Batch sizes: ``train_batch_size`` is the global batch per optimizer step. Each of the

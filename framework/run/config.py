@@ -8,10 +8,8 @@ one, and ``--help`` lists every field with its default and description.
 """
 
 import ast
-import collections.abc
 import dataclasses
 import difflib
-import enum
 import inspect
 import os
 import re
@@ -24,16 +22,14 @@ import yaml
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.run.arguments import TrainerArguments
+from framework.run.config_convert import convert, plain, type_name
 from framework.run.run_identity import RUN_ID_KEY
 
 DEFAULT_SECTIONS: Dict[str, Type] = {"trainer": TrainerArguments, "checkpointer": DefaultCheckpointerArguments}
 SHORTCUTS = {"backend": "trainer.backend"}
-_TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~"}
 _NO_VALUE = object()  # a flag given without a value: true for booleans, an error otherwise
 _HIDDEN_FIELDS = {("trainer", "checkpointer_args")}  # set from the checkpointer section
-# id(TrainerArguments) -> the RunConfig parse_config built it in. The entry keeps the
-# arguments alive, so an id is never reused for other arguments.
-_PARSED: Dict[int, "RunConfig"] = {}
+__all__ = ["ConfigError", "RunConfig", "convert", "format_help", "parse_config", "resolved_config", "suggest"]
 
 
 class ConfigError(ValueError):
@@ -44,8 +40,9 @@ class RunConfig:
     """The parsed sections, as attributes: ``config.trainer``, ``config.checkpointer``, ...
 
     ``config.trainer.checkpointer_args`` is the ``checkpointer`` section, so
-    ``Trainer(module, config.trainer)`` uses both. The trainer saves the whole config (your
-    own sections included) to ``<output_dir>/config.yaml`` when training starts.
+    ``Trainer(module, config.trainer)`` uses both. ``config.trainer.run_config`` is this
+    config, so the trainer saves all of it (your own sections included) to
+    ``<output_dir>/config.yaml`` when training starts.
 
     Example:
         >>> config = parse_config(argv=["--trainer.epochs", "3", "--backend", "sp"])
@@ -69,10 +66,10 @@ class RunConfig:
                 values = {f.name: getattr(section, f.name) for f in dataclasses.fields(section)}
             else:
                 values = section
-            result[name] = _plain(values)
+            result[name] = plain(values)
         trainer = self.sections.get("trainer")
         if isinstance(trainer, TrainerArguments) and "checkpointer" in result:
-            result["checkpointer"] = _plain(dataclasses.asdict(trainer.checkpointer_args))
+            result["checkpointer"] = plain(dataclasses.asdict(trainer.checkpointer_args))
         return result
 
     def save(self, path: str, run_id: Optional[str] = None) -> None:
@@ -86,15 +83,15 @@ class RunConfig:
 
 
 def resolved_config(args: TrainerArguments) -> RunConfig:
-    """The :class:`RunConfig` that :func:`parse_config` built ``args`` in (with the user's own
-    sections), or, for arguments built in code, one with the ``trainer`` and ``checkpointer``
-    sections.
+    """The :class:`RunConfig` that :func:`parse_config` built ``args`` in (``args.run_config``,
+    with the user's own sections), or, for arguments built in code (or copied), one with the
+    ``trainer`` and ``checkpointer`` sections.
 
     Example:
         >>> list(resolved_config(TrainerArguments(epochs=2)).to_dict())
         ['trainer', 'checkpointer']
     """
-    config = _PARSED.get(id(args))
+    config = args.run_config
     if config is not None and config.sections.get("trainer") is args:
         return config
     return RunConfig({"trainer": args, "checkpointer": args.checkpointer_args})
@@ -180,7 +177,7 @@ def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
     trainer = built["trainer"]
     trainer.checkpointer_args = built["checkpointer"]
     config = RunConfig(built)
-    _PARSED[id(trainer)] = config  # lets the trainer save every section
+    trainer.run_config = config  # lets the trainer save every section
     return config
 
 
@@ -301,131 +298,12 @@ def _assign(
     section, name, hint = fields[key]
     if value is _NO_VALUE:
         if hint is not bool:
-            raise ConfigError(f"--{key} needs a value ({_type_name(hint)})")
+            raise ConfigError(f"--{key} needs a value ({type_name(hint)})")
         value = "true"
     try:
         values[section][name] = convert(value, hint, from_text)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{key}={value!r} (from {source}): {error}") from None
-
-
-def convert(value: Any, hint: Any, from_text: bool = True) -> Any:
-    """``value`` as type ``hint``: int, float, bool, str, Optional/Union, Literal, Enum,
-    List/Tuple/Dict of those, or a dataclass from a mapping; other hints pass it through.
-
-    ``from_text`` values come from the command line (``"3"``, ``"none"``, ``"[1, 2]"``);
-    others from YAML, already typed.
-
-    Raises:
-        ValueError: the value does not fit, with what was expected.
-
-    Example:
-        >>> from typing import Optional, Union
-        >>> convert("0.5", Optional[Union[int, float]]), convert("none", Optional[int])
-        (0.5, None)
-    """
-    origin, arguments = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any or hint is object:
-        return value
-    if origin is typing.Union:
-        options = [a for a in arguments if a is not type(None)]
-        if type(None) in arguments and (value is None or (from_text and str(value).lower() in _NONE)):
-            return None
-        if not from_text:  # a typed YAML value keeps its type when the union allows it (1.0 stays a float)
-            for option in options:
-                if isinstance(option, type) and type(value) is option:
-                    return value
-        errors = []
-        for option in options:
-            try:
-                return convert(value, option, from_text)
-            except (TypeError, ValueError) as error:
-                errors.append(str(error))
-        raise ValueError(" or ".join(dict.fromkeys(errors)))
-    if value is None:
-        raise ValueError(f"expected {_describe(hint)}, got None")
-    if origin is typing.Literal:
-        for choice in arguments:
-            if value == choice or (from_text and str(value) == str(choice)):
-                return choice
-        raise ValueError(f"expected one of {list(arguments)}, got {value!r}")
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        for member in hint:
-            if value in (member, member.value, member.name) or (from_text and str(value) in (str(member.value), member.name)):
-                return member
-        raise ValueError(f"expected one of {[member.name for member in hint]}, got {value!r}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, (str, int)) and str(value).lower() in _TRUE | _FALSE:
-            return str(value).lower() in _TRUE
-        raise ValueError(f"expected a boolean (true/false), got {value!r}")
-    if hint is int:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise ValueError(f"expected an integer, got {value!r}")
-        try:
-            return int(value.replace("_", "")) if isinstance(value, str) else int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"expected an integer, got {value!r}") from None
-    if hint is float:
-        if isinstance(value, bool):
-            raise ValueError(f"expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"expected a number, got {value!r}") from None
-    if hint is str:
-        if isinstance(value, (list, dict, tuple, set)):
-            raise ValueError(f"expected a string, got {type(value).__name__} {value!r}")
-        return str(value)
-    if origin in (list, tuple, set, collections.abc.Sequence) or hint in (list, tuple):
-        items = _parse_text(value) if from_text and isinstance(value, str) else value
-        if isinstance(items, str) and from_text:
-            items = [part.strip() for part in items.split(",") if part.strip()]
-        if not isinstance(items, (list, tuple)):
-            raise ValueError(f"expected a list, got {value!r}")
-        if origin is tuple and arguments and arguments[-1] is not Ellipsis:
-            if len(arguments) != len(items):
-                raise ValueError(f"expected {len(arguments)} items, got {len(items)}: {value!r}")
-            return tuple(convert(item, item_hint, from_text) for item, item_hint in zip(items, arguments))
-        item_hint = arguments[0] if arguments else Any
-        converted = [convert(item, item_hint, from_text) for item in items]
-        return tuple(converted) if origin is tuple or hint is tuple else set(converted) if origin is set else converted
-    if origin is dict or hint is dict:
-        mapping = _parse_text(value) if from_text and isinstance(value, str) else value
-        if not isinstance(mapping, Mapping):
-            raise ValueError(f"expected a mapping, got {value!r}")
-        key_hint, value_hint = arguments if arguments else (Any, Any)
-        return {convert(k, key_hint, from_text): convert(v, value_hint, from_text) for k, v in mapping.items()}
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-        if isinstance(value, hint):
-            return value
-        if isinstance(value, Mapping):
-            return hint(**value)
-        raise ValueError(f"expected a mapping of {hint.__name__} fields, got {value!r}")
-    return value
-
-
-def _parse_text(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with only YAML-safe types (tuples as lists, enums as values, others as str)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, enum.Enum):
-        return _plain(value.value)
-    if isinstance(value, Mapping):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [_plain(item) for item in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _plain(dataclasses.asdict(value))
-    return str(value)
 
 
 def field_docs(cls: Type) -> Dict[str, str]:
@@ -449,16 +327,6 @@ def field_docs(cls: Type) -> Dict[str, str]:
             ):
                 docs[node.target.id] = " ".join(following.value.value.split())
     return docs
-
-
-def _describe(hint: Any) -> str:
-    return {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}.get(hint, _type_name(hint))
-
-
-def _type_name(hint: Any) -> str:
-    if isinstance(hint, type):
-        return hint.__name__
-    return str(hint).replace("typing.", "").replace("NoneType", "None")
 
 
 def _default_text(f: dataclasses.Field) -> str:
@@ -499,7 +367,7 @@ def format_help(classes: Mapping[str, Type], program: str = "run.py", current: O
             default = _default_text(f)
             now = repr(values[f.name]) if f.name in values else default
             this_run = f"; this run: {now}" if now != default else ""
-            lines.append(f"  --{section}.{f.name} ({_type_name(hints.get(f.name, f.type))}, default {default}{this_run})")
+            lines.append(f"  --{section}.{f.name} ({type_name(hints.get(f.name, f.type))}, default {default}{this_run})")
             if f.name in docs:
                 lines.append(f"      {_plain_text(docs[f.name])}")
     return "\n".join(lines)

@@ -29,7 +29,7 @@ def test_checkpoint_stack_is_sized_to_the_parameter_count(parameters):
     assert 4 * (width * width + width) == pytest.approx(parameters, rel=0.01)
 
 
-@pytest.mark.parametrize("script", ["scaling.py", "ddp_overhead.py", "fresh_process.py"])
+@pytest.mark.parametrize("script", ["scaling.py", "ddp_overhead.py", "fresh_process.py", "vae.py", "profile_setup.py"])
 def test_help_runs(script):
     finished = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), "--help"], capture_output=True, text=True, cwd=ROOT

@@ -93,6 +93,14 @@ class TimedCheckpointer(DefaultCheckpointer):
             self._writer.niceness = niceness
         self.waits: List[float] = []
         self.writes: List[Tuple[float, float]] = []
+        write = self._io.write
+
+        def timed_write(path: str, obj: Any) -> None:  # the file write, on the training or the writer thread
+            started = time.perf_counter()
+            write(path, obj)
+            self.writes.append((started, time.perf_counter()))
+
+        self._io.write = timed_write  # type: ignore[method-assign]
 
     def save(self, checkpoint: Any, epoch: int, force: bool = False) -> Optional[str]:
         if force:  # the benchmark's saves; epoch ends (force=False, period=0) save nothing and do not wait
@@ -100,11 +108,6 @@ class TimedCheckpointer(DefaultCheckpointer):
             self.wait()
             self.waits.append(time.perf_counter() - started)
         return super().save(checkpoint, epoch, force)
-
-    def _write(self, name: str, global_step: int, data: Dict[str, Any]) -> None:
-        started = time.perf_counter()
-        super()._write(name, global_step, data)
-        self.writes.append((started, time.perf_counter()))
 
 
 class StepClock(Callback):

@@ -1,9 +1,20 @@
-"""DDP overhead: the framework's ``ddp`` backend vs a hand-written DDP loop, in one torchrun job.
+"""DDP overhead: the framework's ``ddp`` backend vs a hand-written DDP loop.
 
-Both train the same MLP (32-64-64-10, batch 32 per rank, AdamW, in-memory data) for the
-same number of steps on the same process group (gloo on CPU, NCCL on CUDA), alternating
-framework and raw runs; a run's time is the slowest rank's. The figure is the ratio of
-median wall times, framework / raw (target: <= 1.05).
+Both train the same MLP (32-64-64-10, batch 32 per rank, AdamW, in-memory data) with gloo on
+CPU (NCCL on CUDA); a run's time is the slowest rank's. Target: framework / raw <= 1.05.
+
+The whole run, as a user pays for it (run with plain ``python``): every run is a fresh
+``torchrun --standalone --nproc_per_node=N`` job of one runner (``raw``: the hand-written loop,
+which joins and leaves the process group itself; ``ddp``: the framework at its defaults, which
+joins it in ``Trainer``; ``ddp-quiet``: losses read back only at epoch ends), alternating
+runners within a round. Over the run lengths given it fits, per runner, the seconds per step
+(slope of the training call) and the fixed cost (intercept of the whole job: torchrun, imports,
+rendezvous, set-up), each as a ratio to the raw loop's:
+
+    python benchmarks/ddp_overhead.py [--nproc 2] [--repeats 5] [--epochs 1 2 4] [--device auto|cpu|cuda]
+
+The steady loop only, both runners alternating inside one torchrun job on one process group
+(warm imports and group; the ratio of median training times):
 
     torchrun --nproc_per_node=2 benchmarks/ddp_overhead.py [--epochs 3] [--repeats 9]
 
@@ -13,12 +24,13 @@ with ``sp`` and a hand-written bf16-autocast loop with an fp32 one, on a wider M
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fresh_process import fit_line, json_objects, run_process_output
 
 from overhead import BenchmarkModule, make_net
 
@@ -41,8 +55,12 @@ def make_data(samples: int, features: int = FEATURES) -> TensorDataset:
     return TensorDataset(x, (x @ torch.randn(features, CLASSES, generator=generator)).argmax(1))
 
 
+DEVICE = ["auto"]  # --device: "auto" (CUDA when available), "cpu" or "cuda"
+FRESH_RUNNERS = ("raw", "ddp", "ddp-quiet")
+
+
 def device_of_rank() -> torch.device:
-    if torch.cuda.is_available():
+    if DEVICE[0] == "cuda" or (DEVICE[0] == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -52,15 +70,18 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def raw_ddp_loop(data: TensorDataset, epochs: int, batch_per_rank: int) -> float:
+def raw_ddp_loop(data: TensorDataset, epochs: int, batch_per_rank: int, hidden: int = 64) -> float:
     """The hand-written DDP loop a careful user would write (loss summed on the device,
-    averaged over ranks and read back once per epoch)."""
+    averaged over ranks and read back once per epoch). Without a process group (one rank) it
+    is the plain loop on a one-replica ``DistributedSampler``, as the framework's ``ddp`` is."""
     device = device_of_rank()
     start = time.perf_counter()
-    net = make_net().to(device)
-    model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    net = make_net(data.tensors[0].shape[1], hidden).to(device)
+    distributed = dist.is_initialized()
+    model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None) if distributed else net
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=batch_per_rank, sampler=sampler)
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
@@ -73,8 +94,9 @@ def raw_ddp_loop(data: TensorDataset, epochs: int, batch_per_rank: int) -> float
             optimizer.zero_grad(set_to_none=True)
             running += loss.detach()
             count += 1
-        dist.all_reduce(running)
-        float(running) / (count * dist.get_world_size())
+        if distributed:
+            dist.all_reduce(running)
+        float(running) / (count * world_size)
     synchronize(device)
     return time.perf_counter() - start
 
@@ -102,6 +124,7 @@ def framework_loop(
         log_level="WARNING",
         log_every_n_steps=log_every_n_steps,
         checkpointer_args={"period": 0, "save_at_end": False},
+        use_gpu=device.type == "cuda",
     )
     Trainer(BenchmarkModule(data, hidden), args).train()
     synchronize(device)
@@ -144,7 +167,7 @@ def report(times: Dict[str, List[float]], steps: int, baseline: str) -> None:
 def ddp_benchmark(options: argparse.Namespace) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     if world_size < 2:
-        raise SystemExit("run under torchrun: torchrun --nproc_per_node=2 benchmarks/ddp_overhead.py")
+        raise SystemExit("run under torchrun with 2+ ranks: torchrun --nproc_per_node=2 benchmarks/ddp_overhead.py")
     device = device_of_rank()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -217,20 +240,135 @@ def amp_benchmark(options: argparse.Namespace) -> None:
     report({"raw bf16": times["raw bf16"], "sp-amp": times["sp-amp"]}, steps, "raw bf16")
 
 
+# -- fresh processes: one torchrun job per run ------------------------------------------------
+def fresh_child(options: argparse.Namespace) -> None:
+    """One run of one runner in this torchrun job; every rank prints its training seconds."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    torch.set_num_threads(options.threads)
+    data = make_data(options.samples_per_rank * world_size)
+    epochs = options.epochs[0]
+    if options.child == "raw":
+        device = device_of_rank()
+        start = time.perf_counter()  # joining the group is inside, as it is inside the framework's Trainer
+        if world_size > 1:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                timeout=datetime.timedelta(seconds=300),
+                device_id=device if device.type == "cuda" else None,
+            )
+        joined = time.perf_counter() - start
+        seconds = joined + raw_ddp_loop(data, epochs, options.batch, options.hidden)
+        if world_size > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+    else:
+        log_every = 50 if options.child == "ddp" else 10**9
+        with tempfile.TemporaryDirectory() as output_dir:
+            seconds = framework_loop(data, epochs, options.batch * world_size, "ddp", output_dir, options.hidden, log_every)
+    sys.stdout.write(json.dumps({"rank": rank, "train_seconds": seconds}) + "\n")  # one write: ranks share the pipe
+    sys.stdout.flush()
+
+
+def torchrun_job(nproc: int, runner: str, epochs: int, options: argparse.Namespace) -> Tuple[float, float]:
+    """Wall seconds of one fresh ``torchrun`` job of ``runner``, and its slowest rank's training seconds."""
+    arguments = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", os.path.abspath(__file__)]
+    arguments += ["--child", runner, "--epochs", str(epochs), "--samples-per-rank", str(options.samples_per_rank)]
+    arguments += ["--batch", str(options.batch), "--threads", str(options.threads), "--hidden", str(options.hidden)]
+    arguments += ["--device", options.device]
+    seconds, output = run_process_output(arguments)
+    ranks = json_objects(output)
+    if len(ranks) != nproc:
+        raise SystemExit(f"{runner}: expected {nproc} ranks to report, got {len(ranks)}:\n{output[-2000:]}")
+    return seconds, max(rank["train_seconds"] for rank in ranks)
+
+
+def fresh_runs(
+    nproc: int, runners: Sequence[str], epochs_list: Sequence[int], repeats: int, options: argparse.Namespace
+) -> Dict[str, Dict[str, float]]:
+    """Alternate fresh torchrun jobs; per runner: slope (s/step of the training call), intercept
+    (s, whole job), whole job and training call of the longest run (medians)."""
+    process: Dict[Tuple[str, int], List[float]] = {}
+    training: Dict[Tuple[str, int], List[float]] = {}
+    for round_index in range(repeats):
+        for epochs in epochs_list:
+            for runner in runners if round_index % 2 == 0 else list(reversed(runners)):
+                seconds, train = torchrun_job(nproc, runner, epochs, options)
+                process.setdefault((runner, epochs), []).append(seconds)
+                training.setdefault((runner, epochs), []).append(train)
+    steps_per_epoch = options.samples_per_rank // options.batch
+    steps = [steps_per_epoch * epochs for epochs in epochs_list]
+    longest = max(epochs_list)
+    figures = {}
+    for runner in runners:
+        slope, _ = fit_line(steps, [statistics.median(training[(runner, e)]) for e in epochs_list])
+        _, intercept = fit_line(steps, [statistics.median(process[(runner, e)]) for e in epochs_list])
+        figures[runner] = {
+            "slope": slope,
+            "intercept": intercept,
+            "whole": statistics.median(process[(runner, longest)]),
+            "train": statistics.median(training[(runner, longest)]),
+        }
+    return figures
+
+
+def fresh_benchmark(options: argparse.Namespace) -> None:
+    if len(set(options.epochs)) < 2:
+        raise SystemExit(f"--epochs needs at least two different run lengths to fit a slope, got {options.epochs}")
+    figures = fresh_runs(options.nproc, options.runners, options.epochs, options.repeats, options)
+    steps = [options.samples_per_rank // options.batch * epochs for epochs in options.epochs]
+    print(
+        f"DDP, fresh torchrun jobs alternating: {options.nproc} ranks, {options.repeats} rounds, steps per run {steps}, "
+        f"batch {options.batch} per rank, {options.threads} torch thread(s) per rank; medians"
+    )
+    print("| runner | us/step (slope) | / raw | fixed s (intercept) | / raw | whole job s | / raw | train() s | / raw |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    reference = figures[options.runners[0]]
+    for runner, values in figures.items():
+        ratios = {key: value / reference[key] if reference[key] > 0 else float("nan") for key, value in values.items()}
+        print(
+            f"| {runner} | {1e6 * values['slope']:.1f} | {ratios['slope']:.3f} | {values['intercept']:.2f} | "
+            f"{ratios['intercept']:.3f} | {values['whole']:.2f} | {ratios['whole']:.3f} | {values['train']:.3f} | "
+            f"{ratios['train']:.3f} |"
+        )
+    print(f"(whole job and train(): the {max(steps)}-step run; ratios to {options.runners[0]}; target ddp / raw <= 1.05)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--epochs", type=int, nargs="+", default=None, help="fresh jobs: run lengths (default 1 2 4)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 5 fresh rounds, 9 in one job")
+    parser.add_argument("--nproc", type=int, default=2, help="fresh jobs: ranks per torchrun job")
+    parser.add_argument("--runners", nargs="+", default=["raw", "ddp"], choices=FRESH_RUNNERS, help="fresh jobs")
+    parser.add_argument("--hidden", type=int, default=64, help="MLP width")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--child", choices=FRESH_RUNNERS, help=argparse.SUPPRESS)
     parser.add_argument("--samples-per-rank", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=32, help="batch per rank")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--amp", action="store_true", help="compare sp-amp with sp (one process) instead")
     parser.add_argument("--amp-hidden", type=int, default=512)
     options = parser.parse_args()
-    if options.amp:
-        amp_benchmark(options)
+    DEVICE[0] = options.device
+    in_job = "WORLD_SIZE" in os.environ
+    if options.child:
+        options.epochs = options.epochs or [1]
+        fresh_child(options)
+        return
+    options.epochs = options.epochs or ([3] if options.amp or in_job else [1, 2, 4])
+    if options.amp or in_job:
+        if len(options.epochs) != 1:
+            raise SystemExit("--amp and a run inside torchrun take one --epochs value")
+        options.epochs = options.epochs[0]
+        options.repeats = options.repeats or 9
+        if options.amp:
+            amp_benchmark(options)
+        else:
+            ddp_benchmark(options)
     else:
-        ddp_benchmark(options)
+        options.repeats = options.repeats or 5
+        fresh_benchmark(options)
 
 
 if __name__ == "__main__":

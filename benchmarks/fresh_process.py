@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -38,8 +39,8 @@ RUNNERS = ("raw", "quiet", "defaults", *PEERS)
 
 
 # -- the children: one training run each, in a fresh process ----------------------------------
-def _child(name: str, epochs: int, output_dir: str) -> float:
-    """Train in this process with runner ``name``; return the training call's seconds."""
+def _child(name: str, epochs: int, output_dir: str, hidden: int = 64) -> float:
+    """Train in this process with runner ``name`` (MLP width ``hidden``); return the training call's seconds."""
     import torch
 
     torch.set_num_threads(1)
@@ -48,15 +49,17 @@ def _child(name: str, epochs: int, output_dir: str) -> float:
 
     data = make_data()
     if name == "raw":
-        return _raw_loop(data, epochs)
+        return _raw_loop(data, epochs, hidden)
     if name in ("quiet", "defaults"):
         from overhead import framework_loop
 
-        return framework_loop(data, epochs, "sp", output_dir, quiet=name == "quiet")
+        return framework_loop(data, epochs, "sp", output_dir, quiet=name == "quiet", hidden=hidden)
+    if hidden != 64:
+        raise SystemExit(f"--hidden {hidden}: only raw, quiet and defaults take another width")
     return PEER_LOOPS[name](data, epochs, output_dir)
 
 
-def _raw_loop(data, epochs: int) -> float:
+def _raw_loop(data, epochs: int, hidden: int = 64) -> float:
     """The hand-written loop with plain torch (no framework import), timed as ``train()`` is: from
     building the optimizer, sampler and loader (the first optimizer imports ``torch._dynamo``) to
     the last step."""
@@ -68,7 +71,7 @@ def _raw_loop(data, epochs: int) -> float:
 
     from backends import ResumableSampler
 
-    net = make_net()
+    net = make_net(hidden=hidden)
     start = time.perf_counter()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     sampler = ResumableSampler(data, shuffle=True, seed=0)
@@ -172,16 +175,27 @@ PEER_LOOPS: Dict[str, Callable[..., float]] = {
 
 
 # -- the parent: fresh processes, alternating --------------------------------------------------
-def run_process(arguments: Sequence[str]) -> Tuple[float, str]:
-    """Run ``python ARGUMENTS`` in a fresh process; return its wall seconds and its last stdout line."""
+def run_process_output(arguments: Sequence[str]) -> Tuple[float, str]:
+    """Run ``python ARGUMENTS`` in a fresh process (one OpenMP thread); return its wall seconds and its stdout."""
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     start = time.perf_counter()
     finished = subprocess.run([sys.executable, *arguments], capture_output=True, text=True, env=environment, cwd=ROOT)
     seconds = time.perf_counter() - start
     if finished.returncode != 0:
         raise SystemExit(f"{' '.join(arguments)} failed ({finished.returncode}):\n{finished.stderr[-3000:]}")
-    lines = finished.stdout.strip().splitlines()
+    return seconds, finished.stdout
+
+
+def run_process(arguments: Sequence[str]) -> Tuple[float, str]:
+    """Run ``python ARGUMENTS`` in a fresh process; return its wall seconds and its last stdout line."""
+    seconds, output = run_process_output(arguments)
+    lines = output.strip().splitlines()
     return seconds, lines[-1] if lines else ""
+
+
+def json_objects(output: str) -> List[Dict[str, float]]:
+    """The flat JSON objects in a job's stdout (ranks sharing one pipe may write them on one line)."""
+    return [json.loads(text) for text in re.findall(r"\{[^{}\n]*\}", output)]
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
@@ -205,13 +219,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds; every runner and epoch count once per round")
     parser.add_argument("--epochs", type=int, nargs="+", default=[1, 2, 4], help="run lengths (256 steps per epoch)")
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
+    parser.add_argument("--hidden", type=int, default=64, help="MLP width (raw, quiet and defaults only)")
     parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if not options.child and len(set(options.epochs)) < 2:
         parser.error(f"--epochs needs at least two different run lengths to fit a slope, got {options.epochs}")
     if options.child:
         with tempfile.TemporaryDirectory() as output_dir:
-            print(json.dumps({"train_seconds": _child(options.child, options.epochs[0], output_dir)}))
+            print(json.dumps({"train_seconds": _child(options.child, options.epochs[0], output_dir, options.hidden)}))
         return
     runners = [name for name in options.runners if name not in PEERS or importlib.util.find_spec(PEERS[name])]
     skipped = sorted(set(options.runners) - set(runners))
@@ -222,7 +237,7 @@ def main() -> None:
     for _ in range(options.repeats):
         for epochs in options.epochs:
             for name in runners:
-                seconds, line = run_process([__file__, "--child", name, "--epochs", str(epochs)])
+                seconds, line = run_process([__file__, "--child", name, "--epochs", str(epochs), "--hidden", str(options.hidden)])
                 process.setdefault((name, epochs), []).append(seconds)
                 training.setdefault((name, epochs), []).append(json.loads(line)["train_seconds"])
     steps = [256 * epochs for epochs in options.epochs]

@@ -83,7 +83,13 @@ class BenchmarkModule(ModuleInterface):
 
 
 def framework_loop(
-    data: TensorDataset, epochs: int, backend: str, output_dir: str, quiet: bool = False, profiler: str = "off"
+    data: TensorDataset,
+    epochs: int,
+    backend: str,
+    output_dir: str,
+    quiet: bool = False,
+    profiler: str = "off",
+    hidden: int = 64,
 ) -> float:
     run_dir = tempfile.mkdtemp(dir=output_dir)  # a fresh directory per run: a run never reuses another's
     args = TrainerArguments(
@@ -93,7 +99,7 @@ def framework_loop(
         args.disable_tqdm, args.log_every_n_steps, args.log_level = True, 10**9, "WARNING"
     args.checkpointer_args.period = 0
     args.checkpointer_args.save_at_end = False
-    trainer = Trainer(BenchmarkModule(data), args)
+    trainer = Trainer(BenchmarkModule(data, hidden), args)
     start = CLOCK[0]()
     trainer.train()
     return CLOCK[0]() - start

@@ -12,7 +12,10 @@ Each run is a fresh process; runs alternate original, port, original, ... The fi
 medians: the whole process (imports, data, training, exit) and the per-step slope over the
 epoch counts given (what grows with the run), each as port / original.
 
-    python benchmarks/vae.py [--repeats 5] [--epochs 5 10 20]
+    python benchmarks/vae.py [--repeats 5] [--epochs 5 10 20] [--runners original port port-no-epoch-checkpoints]
+
+``port-no-epoch-checkpoints`` (not run by default) is the port with ``checkpointer_args.period=0``:
+the share of the default per-epoch checkpoint in the difference.
 
 Target (issue "Performance: the whole run"): the whole process at most 1.10x the original's.
 """
@@ -114,8 +117,9 @@ def original(epochs: int, output_dir: str) -> float:
     return time.perf_counter() - start
 
 
-def port(epochs: int, output_dir: str) -> float:
-    """The same model and losses as a framework module, the trainer at its defaults."""
+def port(epochs: int, output_dir: str, epoch_checkpoints: bool = True) -> float:
+    """The same model and losses as a framework module, the trainer at its defaults (``epoch_checkpoints``
+    False: no checkpoint at epoch ends, only the one at the end of training)."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -146,19 +150,27 @@ def port(epochs: int, output_dir: str) -> float:
             recon, mu, logvar = self.vae(data)
             return vae_loss(recon, data, mu, logvar) / len(data)
 
-    trainer = Trainer(VAEModule(), TrainerArguments(epochs=epochs, train_batch_size=BATCH, seed=1, output_dir=output_dir))
+    args = TrainerArguments(epochs=epochs, train_batch_size=BATCH, seed=1, output_dir=output_dir)
+    if not epoch_checkpoints:
+        args.checkpointer_args.period = 0
+    trainer = Trainer(VAEModule(), args)
     start = time.perf_counter()
     trainer.train()
     return time.perf_counter() - start
 
 
-RUNNERS = {"original": original, "port": port}
+def port_no_epoch_checkpoints(epochs: int, output_dir: str) -> float:
+    return port(epochs, output_dir, epoch_checkpoints=False)
+
+
+RUNNERS = {"original": original, "port": port, "port-no-epoch-checkpoints": port_no_epoch_checkpoints}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--epochs", type=int, nargs="+", default=[5, 10, 20])
+    parser.add_argument("--runners", nargs="+", choices=RUNNERS, default=["original", "port"], help="the first is the reference")
     parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
     options = parser.parse_args()
     if not options.child and len(set(options.epochs)) < 2:
@@ -173,21 +185,29 @@ def main() -> None:
     process: Dict[Tuple[str, int], List[float]] = {}
     for _ in range(options.repeats):
         for epochs in options.epochs:
-            for name in RUNNERS:
+            for name in options.runners:
                 seconds, _ = run_process([__file__, "--child", name, "--epochs", str(epochs)])
                 process.setdefault((name, epochs), []).append(seconds)
     steps = [12 * epochs for epochs in options.epochs]
     longest = max(options.epochs)
     figures = {}
-    for name in RUNNERS:
+    for name in options.runners:
         slope, _ = fit_line(steps, [statistics.median(process[(name, epochs)]) for epochs in options.epochs])
         figures[name] = (slope, statistics.median(process[(name, longest)]))
-    (slope_o, whole_o), (slope_p, whole_p) = figures["original"], figures["port"]
+    reference = options.runners[0]
+    slope_o, whole_o = figures[reference]
     print(f"{options.repeats} rounds, fresh processes alternating, medians; epochs {options.epochs} (12 steps each)")
-    print(f"per step (slope, test pass included): original {1e3 * slope_o:.2f} ms, port {1e3 * slope_p:.2f} ms", end="")
-    print(f": {slope_p / slope_o:.3f}x")
-    print(f"whole process, {longest} epochs: original {whole_o:.2f} s, port {whole_p:.2f} s", end="")
-    print(f": {whole_p / whole_o:.3f}x (target <= 1.10)")
+    print(f"per step (slope, test pass included): {reference} {1e3 * slope_o:.2f} ms", end="")
+    print(
+        "".join(
+            f", {name} {1e3 * slope:.2f} ms ({slope / slope_o:.3f}x)" for name, (slope, _) in figures.items() if name != reference
+        )
+    )
+    print(f"whole process, {longest} epochs: {reference} {whole_o:.2f} s", end="")
+    print(
+        "".join(f", {name} {whole:.2f} s ({whole / whole_o:.3f}x)" for name, (_, whole) in figures.items() if name != reference)
+    )
+    print("(target: port / original <= 1.10 for the whole process)")
 
 
 if __name__ == "__main__":

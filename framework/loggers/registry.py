@@ -120,7 +120,7 @@ def check_logger_choices(choices: Sequence[Any]) -> None:
                 f"TrainerArguments.loggers: {choice!r} ({type(choice).__name__}) is invalid; allowed: a logger name "
                 "or a framework.loggers.Logger instance"
             )
-        if isinstance(choice, str) and choice not in available_loggers():
+        if isinstance(choice, str) and choice not in _registry and choice not in available_loggers():  # plugins: on a miss
             raise ValueError(f"TrainerArguments.loggers: unknown logger {choice!r}; known: {', '.join(available_loggers())}")
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:

@@ -18,8 +18,6 @@ import textwrap
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
-import yaml
-
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.run.arguments import TrainerArguments
 from framework.run.config_convert import convert, plain, type_name
@@ -75,6 +73,8 @@ class RunConfig:
     def save(self, path: str, run_id: Optional[str] = None) -> None:
         """Write the resolved configuration as YAML (loadable with ``--config``), with the
         run's id first (``run_id``, which ``--config`` ignores: see framework/run/run_identity.py)."""
+        import yaml  # on first use: importing it costs more than the rest of the config code
+
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         data: Dict[str, Any] = {} if run_id is None else {RUN_ID_KEY: run_id}
         data.update(self.to_dict())
@@ -208,6 +208,8 @@ def _split_arguments(argv: List[str]) -> Tuple[Optional[str], List[Tuple[str, An
 
 
 def _load_yaml(path: str) -> Dict[str, Any]:
+    import yaml  # on first use: importing it costs more than the rest of the config code
+
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist" + (" (it is a directory)" if os.path.isdir(path) else ""))
     try:

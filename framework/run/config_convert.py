@@ -7,8 +7,6 @@ import enum
 import typing
 from typing import Any, Callable, Dict, Mapping, Optional
 
-import yaml
-
 _TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~"}
 _SEQUENCES = (list, tuple, set, collections.abc.Sequence)
 
@@ -164,6 +162,8 @@ def _to_dataclass(value: Any, hint: Any, from_text: bool) -> Any:
 
 
 def _parse_text(text: str) -> Any:
+    import yaml  # on first use: importing it costs more than the rest of the config code
+
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:

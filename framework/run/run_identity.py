@@ -16,8 +16,6 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Tuple
 
-import yaml
-
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
 
@@ -59,8 +57,14 @@ def recorded_run_id(output_dir: str) -> Optional[str]:
     path = os.path.join(output_dir, "config.yaml")
     try:
         with open(path) as handle:
-            data = yaml.safe_load(handle)
-    except (OSError, yaml.YAMLError):
+            text = handle.read()
+    except OSError:
+        return None
+    import yaml  # only when there is a file: a fresh run does not pay its import
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
         return None
     value = data.get(RUN_ID_KEY) if isinstance(data, dict) else None
     return value if isinstance(value, str) and value else None

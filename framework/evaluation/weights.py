@@ -32,7 +32,7 @@ def check_checkpoint_choice(checkpoint: Any, method: str) -> None:
 def on_main_then_everywhere(backend: Any, compute: Callable[[], Any], what: str) -> Any:
     """``compute()`` on rank zero, its result on every rank; a failure there is raised on every
     rank (see ``Strategy.run_on_rank_zero``)."""
-    return backend.strategy.run_on_rank_zero(compute, f"failed to {what}")
+    return backend.run_on_rank_zero(compute, f"failed to {what}")
 
 
 def best_checkpoint_url(checkpointer: Any, backend: Any) -> Optional[str]:
@@ -66,13 +66,13 @@ def load_evaluation_weights(trainer: Any, checkpoint: CheckpointChoice, method: 
     if checkpoint is None:
         _warn_if_untrained(trainer, method)
         return None
-    module, checkpointer, strategy = trainer.module, trainer.checkpointer, trainer.backend.strategy
-    url = strategy.run_on_rank_zero(
+    module, checkpointer, backend = trainer.module, trainer.checkpointer, trainer.backend
+    url = backend.run_on_rank_zero(
         lambda: _resolve_on_main(checkpointer, checkpoint),
         f"failed to load checkpoint={checkpoint!r}",
         share_as=(FileNotFoundError, ValueError),
     )
-    load_weights(module, url, weights_only=_weights_only(checkpointer), strategy=strategy)
+    load_weights(module, url, weights_only=_weights_only(checkpointer), strategy=backend.strategy)  # the CheckpointIO seam
     trainer.__dict__["_loaded_evaluation_weights"] = url  # later calls with checkpoint=None use these: no warning
     logger.info("%s: evaluating the weights of %s", method, url)
     return url

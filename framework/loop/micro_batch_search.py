@@ -86,7 +86,7 @@ def search_micro_batch(trainer: "Trainer") -> int:
                 buffer.copy_(saved)
         restore_rng_state(rng)
         trainer._metrics.load_state_dict(logged, trainer.device)
-    agreed = backend.strategy.min_over_ranks(size)  # every rank agrees before any raises
+    agreed = backend.min_over_ranks(size)  # every rank agrees before any raises
     if agreed == 0:
         raise RuntimeError(
             "gpu_batch_size_limit='auto': even a micro-batch of 1 runs out of device memory in forward and backward"

@@ -97,15 +97,10 @@ class Trainer(TrainerCheckpoints):
         self.args = args
         self.module = module
         self.preemption = PreemptionHandler(parse_signals(args.preemption_signals))
-        self.backend = trainer_backend if trainer_backend is not None else build_backend(args.backend)
-        self.backend.setup(
-            use_gpu=args.use_gpu,
-            amp_dtype=args.amp_dtype,
-            find_unused_parameters=args.find_unused_parameters,
-            ddp_timeout=args.ddp_timeout,
-            cluster=args.cluster,
-            compile=args.compile,
-        )
+        if trainer_backend is not None:
+            trainer_backend.check_options(args)  # an instance keeps its own options: refuse arguments it would lose
+        self.backend = trainer_backend if trainer_backend is not None else build_backend(args.backend, args)
+        self.backend.setup()  # every option went to the strategy's and the precision's constructors
         environment = self.backend.cluster_environment
         self.launcher_watch = LauncherWatch(self.preemption, environment.launcher, environment.parent_is_launcher)
         try:

@@ -10,6 +10,7 @@ Example:
 
 from backends.base import TrainerBackend
 from backends.batch import map_tensors, move_to_device
+from backends.ddp import DDP
 from backends.environments import (
     ClusterEnvironment,
     available_cluster_environments,
@@ -17,14 +18,16 @@ from backends.environments import (
     register_cluster_environment,
 )
 from backends.fsdp import FSDP
+from backends.options import BackendArguments, check_backend_options
 from backends.precision import FullPrecision, MixedPrecision, Precision, TrueBF16
 from backends.registry import available_backends, build_backend, register_backend
 from backends.samplers import ResumableSampler
-from backends.strategies import DDP, SingleProcess, Strategy
+from backends.strategies import SingleProcess, Strategy
 
 __all__ = [
     "DDP",
     "FSDP",
+    "BackendArguments",
     "ClusterEnvironment",
     "FullPrecision",
     "MixedPrecision",
@@ -37,6 +40,7 @@ __all__ = [
     "available_backends",
     "available_cluster_environments",
     "build_backend",
+    "check_backend_options",
     "detect_cluster_environment",
     "map_tensors",
     "move_to_device",

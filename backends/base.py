@@ -1,12 +1,14 @@
 """TrainerBackend: the one object the Trainer talks to, a strategy composed with a precision."""
 
 import logging
-from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Sized, Union
+from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional, Sequence, Sized, Tuple, Type
 
 import torch
 
 from backends.batch import move_to_device
-from backends.environments import ClusterEnvironment, select_cluster_environment
+from backends.checkpoint_io import CheckpointIO
+from backends.environments import ClusterEnvironment
+from backends.options import BackendArguments, check_backend_options
 from backends.precision import FullPrecision, Precision
 from backends.strategies import SingleProcess, Strategy
 
@@ -20,7 +22,11 @@ class TrainerBackend:
     The built-in backends are compositions: ``sp`` is ``TrainerBackend(SingleProcess(),
     FullPrecision())`` and ``ddp-amp`` is ``TrainerBackend(DDP(), MixedPrecision())``. A
     plugin subclasses this class (or a strategy or precision) and overrides what it needs;
-    see ``docs/backends.md``.
+    see ``docs/backends.md``. Options (``use_gpu``, ``find_unused_parameters``, ``amp_dtype``...)
+    are given to the strategy's and the precision's constructors; :attr:`options` reports them.
+
+    The trainer calls only this object: each method delegates to the strategy or the
+    precision in one call (the per-step ones included), so a plugin may override any of them.
 
     Args:
         strategy: where steps run (default: :class:`SingleProcess`).
@@ -28,10 +34,10 @@ class TrainerBackend:
 
     Example:
         >>> from backends import TrainerBackend, SingleProcess, MixedPrecision
-        >>> backend = TrainerBackend(SingleProcess(), MixedPrecision("bfloat16"))
-        >>> backend.setup(use_gpu=False)
-        >>> backend.device
-        device(type='cpu')
+        >>> backend = TrainerBackend(SingleProcess(use_gpu=False), MixedPrecision("bfloat16"))
+        >>> backend.setup()
+        >>> backend.device, backend.options["amp_dtype"]
+        (device(type='cpu'), 'bfloat16')
     """
 
     unsupported_features: ClassVar[Dict[str, str]] = {}
@@ -74,39 +80,57 @@ class TrainerBackend:
         return self.strategy.is_main_process
 
     @property
+    def options(self) -> Dict[str, Any]:
+        """The backend options the strategy and the precision were built with, by their
+        ``TrainerArguments`` names (see :func:`backends.options.check_backend_options`)."""
+        return {**self.strategy.options, **self.precision.options}
+
+    def check_options(self, args: Optional[BackendArguments]) -> None:
+        """Refuse run arguments this instance would not use: an option set to a non-default
+        value that the instance does not take, or was built with another value of (the
+        instance's own options are used). ``Trainer(trainer_backend=...)`` calls it.
+
+        Raises:
+            ValueError: naming the option and where to pass it instead.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> TrainerBackend(SingleProcess(compile=True)).check_options(SimpleNamespace(compile=True))
+        """
+        check_backend_options(self, args, "instance")
+
+    @property
+    def multi_process(self) -> bool:
+        """True when the strategy runs one process per device (launched by torchrun, srun...)."""
+        return self.strategy.multi_process
+
+    @property
+    def strategy_name(self) -> str:
+        """The strategy's name (``"single-process"``, ``"ddp"``, ``"fsdp"``), for messages."""
+        return self.strategy.name
+
+    @property
+    def declared_unsupported_features(self) -> Dict[str, str]:
+        """Conformance checks this backend or its strategy declares unsupported (check name -> why)."""
+        return {**self.strategy.unsupported_features, **self.unsupported_features}
+
+    @property
     def cluster_environment(self) -> ClusterEnvironment:
         """Where this run's processes come from (set by :meth:`setup`): ranks, rendezvous,
         and :meth:`~backends.environments.ClusterEnvironment.requeue`."""
         return self.strategy.cluster_environment
 
     # -- life cycle -----------------------------------------------------------------
-    def setup(
-        self,
-        use_gpu: Optional[bool] = None,
-        amp_dtype: Optional[str] = None,
-        find_unused_parameters: bool = False,
-        ddp_timeout: float = 600.0,
-        cluster: Union[str, ClusterEnvironment, None] = None,
-        compile: bool = False,
-    ) -> None:
+    def setup(self) -> None:
         """Find the cluster environment, pick the device, join the process group (DDP) and
-        prepare the precision.
+        prepare the precision; every option was given to the constructors.
 
-        ``cluster`` names a registered cluster environment (``"slurm"``), or is one, or is
-        None to detect it. ``compile``: the strategy compiles the module's units with
-        ``torch.compile`` when it wraps the module; the first training step's time
-        (compilation included) is logged once. If the precision refuses the device (fp16 on
-        CPU), the process group is left again before the error propagates.
+        If the precision refuses the device (fp16 on CPU), the process group is left again
+        before the error propagates.
         """
-        self.strategy.setup(
-            use_gpu=use_gpu,
-            find_unused_parameters=find_unused_parameters,
-            ddp_timeout=ddp_timeout,
-            cluster_environment=select_cluster_environment(cluster),
-            compile=compile,
-        )
+        self.strategy.setup()
         try:
-            self.precision.setup(self.device, amp_dtype)
+            self.precision.setup(self.device, None)
             self.strategy.configure_precision(self.precision.compute_dtype, self.precision.skips_nonfinite_steps)
         except BaseException:
             self.strategy.teardown()
@@ -153,6 +177,21 @@ class TrainerBackend:
         return self.precision.convert_input(batch) if self._converts_input else batch
 
     # -- steps ----------------------------------------------------------------------
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module as the precision trains it (true bf16 casts it); called once, before
+        :meth:`wrap_module` and before the optimizers are built."""
+        return self.precision.convert_module(module)
+
+    @property
+    def skips_nonfinite_steps(self) -> bool:
+        """True when the precision skips a step whose gradients are not finite (a GradScaler)."""
+        return self.precision.skips_nonfinite_steps
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """What forwards compute in when it is not fp32 (None); known after :meth:`setup`."""
+        return self.precision.compute_dtype
+
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module training forwards go through (DDP and FSDP wrap it; the trainer has already
         let the precision convert it, see ``Precision.convert_module``)."""
@@ -179,6 +218,14 @@ class TrainerBackend:
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """Context for one micro-batch; skips the gradient all-reduce when asked."""
         return self.strategy.no_sync(wrapped, skip_gradient_sync)
+
+    def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:
+        """Called before every manual backward (DDP re-arms its gradient reducer there)."""
+        self.strategy.prepare_for_backward(wrapped, loss)
+
+    def refresh_parameters(self, wrapped: torch.nn.Module) -> None:
+        """Called after every manual backward and optimizer step (FSDP gathers the shards again)."""
+        self.strategy.refresh_parameters(wrapped)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate ``loss`` (scaled, under fp16); ``args``/``kwargs`` go to ``Tensor.backward``."""
@@ -207,6 +254,68 @@ class TrainerBackend:
 
     def barrier(self) -> None:
         self.strategy.barrier()
+
+    # -- decisions every rank takes together -------------------------------------------
+    def any_rank(self, flags: Sequence[bool]) -> List[bool]:
+        """For each flag, whether any rank set it (one collective for all of them)."""
+        return self.strategy.any_rank(flags)
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` over ranks."""
+        return self.strategy.min_over_ranks(value)
+
+    def all_ranks_have_batch(self, has_batch: bool) -> bool:
+        """True while every rank still has a batch (called per batch of a loader without a length)."""
+        return self.strategy.all_ranks_have_batch(has_batch)
+
+    def preemption_agreed(self, signal_pending: bool, global_step: int) -> bool:
+        """Whether every rank stops at this step boundary because a preemption signal arrived."""
+        return self.strategy.preemption_agreed(signal_pending, global_step)
+
+    def gather_in_dataset_order(self, outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        """This rank's joined evaluation outputs merged with every rank's, in dataset order."""
+        return self.strategy.gather_in_dataset_order(outputs)
+
+    def run_on_rank_zero(self, compute: Callable[[], Any], what: str, share_as: Tuple[Type[Exception], ...] = ()) -> Any:
+        """``compute()`` on rank zero, its result (or its failure) on every rank; see
+        :meth:`backends.strategies.Strategy.run_on_rank_zero`."""
+        return self.strategy.run_on_rank_zero(compute, what, share_as)
+
+    def raise_if_any_failed(self, error: Optional[BaseException], what: str) -> None:
+        """Raise on every rank when any rank had ``error`` (call on every rank)."""
+        self.strategy.raise_if_any_failed(error, what)
+
+    def explain_failure(self, error: BaseException) -> Optional[str]:
+        """A sentence on what a distributed failure means and what to change, or None."""
+        return self.strategy.explain_failure(error)
+
+    # -- checkpoints -----------------------------------------------------------------
+    @property
+    def checkpoint_suffix(self) -> str:
+        """``".pt"`` (one checkpoint file) or ``""`` (a directory of shards: ``fsdp``)."""
+        return self.strategy.checkpoint_suffix
+
+    def save_checkpoint(self, path: str, state: Dict[str, Any], io: CheckpointIO, copy: bool = False) -> Callable[[], None]:
+        """Prepare writing ``state`` to ``path`` and return the write (see :meth:`Strategy.save_checkpoint`)."""
+        return self.strategy.save_checkpoint(path, state, io, copy)
+
+    def load_checkpoint(
+        self,
+        path: str,
+        io: CheckpointIO,
+        target: Optional[Callable[[], Dict[str, Any]]] = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> Dict[str, Any]:
+        """What :meth:`save_checkpoint` wrote at ``path`` (see :meth:`Strategy.load_checkpoint`)."""
+        return self.strategy.load_checkpoint(path, io, target, optimizers)
+
+    def unsharded(self, state: Any) -> Any:
+        """``state`` with sharded tensors gathered into full ones (collective under ``fsdp``)."""
+        return self.strategy.unsharded(state)
+
+    def local_shards(self, state: Any) -> Any:
+        """``state`` with each sharded tensor replaced by this rank's part (no communication)."""
+        return self.strategy.local_shards(state)
 
     # -- state ----------------------------------------------------------------------
     def get_state(self) -> Dict[str, Any]:

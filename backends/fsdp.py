@@ -7,14 +7,16 @@ Process-group handling, samplers and collectives are the DDP strategy's.
 
 import contextlib
 import logging
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from backends.batch import map_tensors
 from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
-from backends.strategies import DDP
+from backends.ddp import DDP
+from backends.environments import ClusterEnvironment
+from backends.options import BackendArguments, option
 from backends.units import module_units
 
 logger = logging.getLogger(__name__)
@@ -38,12 +40,15 @@ class FSDP(DDP):
 
     Args:
         reshard_after_forward: free each unit's gathered parameters after its forward (less
-            memory, one more all-gather in backward); the root never reshards.
-        timeout_seconds: as for :class:`DDP`.
+            memory, one more all-gather in backward); the root never reshards
+            (``TrainerArguments.reshard_after_forward``).
+        timeout_seconds: as for :class:`~backends.ddp.DDP` (``TrainerArguments.ddp_timeout``).
+        use_gpu, cluster, compile: as for :class:`~backends.strategies.Strategy`.
+            ``find_unused_parameters`` is not taken: FSDP2 needs no search for unused parameters.
 
     Example:
-        >>> strategy = FSDP()   # under torchrun: rank and world size come from the environment
-        >>> strategy.setup(use_gpu=False)
+        >>> strategy = FSDP(reshard_after_forward=False, use_gpu=False)   # under torchrun: ranks from the environment
+        >>> strategy.setup()
         >>> strategy.checkpoint_suffix  # a checkpoint is a directory of shards
         ''
     """
@@ -51,11 +56,47 @@ class FSDP(DDP):
     name = "fsdp"
     checkpoint_suffix = ""
 
-    def __init__(self, reshard_after_forward: bool = True, timeout_seconds: Optional[float] = None) -> None:
-        super().__init__(find_unused_parameters=False, timeout_seconds=timeout_seconds)
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        timeout_seconds: float = 600.0,
+        *,
+        use_gpu: Optional[bool] = None,
+        cluster: Union[str, ClusterEnvironment, None] = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__(
+            find_unused_parameters=False, timeout_seconds=timeout_seconds, use_gpu=use_gpu, cluster=cluster, compile=compile
+        )
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"FSDP(reshard_after_forward={reshard_after_forward!r}) is invalid; allowed: True, False")
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype: Optional[torch.dtype] = None
         self._checkpoint_group: Any = None
+
+    @classmethod
+    def from_arguments(cls, args: Optional[BackendArguments] = None) -> "FSDP":
+        """FSDP built with ``reshard_after_forward``, ``ddp_timeout``, ``use_gpu``, ``cluster`` and
+        ``compile`` from a run's arguments (None: defaults).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> FSDP.from_arguments(SimpleNamespace(reshard_after_forward=False)).reshard_after_forward
+            False
+        """
+        return cls(
+            reshard_after_forward=option(args, "reshard_after_forward"),
+            timeout_seconds=option(args, "ddp_timeout"),
+            use_gpu=option(args, "use_gpu"),
+            cluster=option(args, "cluster"),
+            compile=option(args, "compile"),
+        )
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        options = {**super().options, "reshard_after_forward": self.reshard_after_forward}
+        del options["find_unused_parameters"]
+        return options
 
     def configure_precision(self, compute_dtype: Optional[torch.dtype], uses_grad_scaler: bool) -> None:
         if uses_grad_scaler:

@@ -4,7 +4,7 @@ import logging
 from importlib import metadata
 from typing import Any, Callable, Dict, List, Optional
 
-_installed: Optional[metadata.EntryPoints] = None  # every installed entry point, read once per process
+_installed: Optional[Any] = None  # every installed entry point, read once per process
 
 
 def installed_entry_points(group: str, rescan: bool = False) -> List[metadata.EntryPoint]:
@@ -17,9 +17,9 @@ def installed_entry_points(group: str, rescan: bool = False) -> List[metadata.En
         []
     """
     global _installed
-    if _installed is None or rescan:
-        _installed = metadata.entry_points()
-    return list(_installed.select(group=group))
+    installed = _installed if _installed is not None and not rescan else metadata.entry_points()
+    _installed = installed
+    return list(installed.select(group=group))
 
 
 def register_entry_points(

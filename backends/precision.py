@@ -4,11 +4,14 @@ Precision code never touches the process group; strategy code never touches the 
 """
 
 import contextlib
-from typing import Any, ContextManager, Dict, Optional, Sequence
+from typing import Any, ContextManager, Dict, Optional, Sequence, Type, TypeVar
 
 import torch
 
 from backends.batch import map_tensors
+from backends.options import BackendArguments, option
+
+P = TypeVar("P", bound="Precision")
 
 _AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -28,8 +31,26 @@ class Precision:
 
     name = "fp32"
 
-    def setup(self, device: torch.device, amp_dtype: Optional[str]) -> None:
-        """Called once the strategy knows the device."""
+    @classmethod
+    def from_arguments(cls: Type[P], args: Optional[BackendArguments] = None) -> P:
+        """This precision built with the options it takes from a run's arguments (here: none).
+
+        Example:
+            >>> FullPrecision.from_arguments(None).options
+            {}
+        """
+        return cls()
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        """The backend options this precision takes (``TrainerArguments`` names) and the values
+        it was built with (see :func:`backends.options.check_backend_options`)."""
+        return {}
+
+    def setup(self, device: torch.device, amp_dtype: Optional[str] = None) -> None:
+        """Called once the strategy knows the device. Options are constructor arguments:
+        :class:`~backends.TrainerBackend` passes ``amp_dtype=None`` (the argument is kept so
+        that precisions written for its earlier signature still work)."""
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module as this precision trains it, before the strategy wraps it and before the
@@ -127,7 +148,22 @@ class MixedPrecision(Precision):
         self.scaler: Optional[torch.amp.GradScaler] = None
         self._pending_scaler_state: Optional[Dict[str, Any]] = None
 
-    def setup(self, device: torch.device, amp_dtype: Optional[str]) -> None:
+    @classmethod
+    def from_arguments(cls, args: Optional[BackendArguments] = None) -> "MixedPrecision":
+        """Mixed precision in ``TrainerArguments.amp_dtype`` (None: fp16 on CUDA, bf16 on CPU).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> MixedPrecision.from_arguments(SimpleNamespace(amp_dtype="bfloat16")).options
+            {'amp_dtype': 'bfloat16'}
+        """
+        return cls(dtype=option(args, "amp_dtype"))
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        return {"amp_dtype": self.requested_dtype}
+
+    def setup(self, device: torch.device, amp_dtype: Optional[str] = None) -> None:
         name = self.requested_dtype or amp_dtype or self.default_dtype or ("float16" if device.type == "cuda" else "bfloat16")
         if name not in _AMP_DTYPES:
             raise ValueError(f"amp_dtype={name!r} is not supported; allowed: {sorted(_AMP_DTYPES)}")
@@ -224,9 +260,26 @@ class TrueBF16(Precision):
 
     name = "bf16-true"
 
-    def setup(self, device: torch.device, amp_dtype: Optional[str]) -> None:
-        if amp_dtype not in (None, "bfloat16"):
-            raise ValueError(f"amp_dtype={amp_dtype!r} does not apply to true bf16 precision; allowed: None, 'bfloat16'")
+    @classmethod
+    def from_arguments(cls, args: Optional[BackendArguments] = None) -> "TrueBF16":
+        """True bf16; ``TrainerArguments.amp_dtype`` may only be None or ``"bfloat16"``.
+
+        Raises:
+            ValueError: another ``amp_dtype``.
+
+        Example:
+            >>> TrueBF16.from_arguments(None).options
+            {'amp_dtype': 'bfloat16'}
+        """
+        _check_bf16_dtype(option(args, "amp_dtype"))
+        return cls()
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        return {"amp_dtype": "bfloat16"}
+
+    def setup(self, device: torch.device, amp_dtype: Optional[str] = None) -> None:
+        _check_bf16_dtype(amp_dtype)
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError(f"true bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} has none")
 
@@ -235,6 +288,11 @@ class TrueBF16(Precision):
 
     def convert_input(self, batch: Any) -> Any:
         return map_tensors(batch, _to_bfloat16)
+
+
+def _check_bf16_dtype(amp_dtype: Optional[str]) -> None:
+    if amp_dtype not in (None, "bfloat16"):
+        raise ValueError(f"amp_dtype={amp_dtype!r} does not apply to true bf16 precision; allowed: None, 'bfloat16'")
 
 
 def _to_bfloat16(tensor: torch.Tensor) -> torch.Tensor:

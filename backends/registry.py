@@ -1,24 +1,48 @@
 """Backends by name: the built-ins, ``@register_backend`` plugins and entry points."""
 
 import importlib
+import inspect
 import logging
-from typing import Callable, Dict, List, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, TypeVar, Union
 
 from backends.base import TrainerBackend
+from backends.ddp import DDP
 from backends.fsdp import FSDP
+from backends.options import BackendArguments, check_backend_options, option
 from backends.plugins import register_entry_points
 from backends.precision import FullPrecision, MixedPrecision, TrueBF16
-from backends.strategies import DDP, SingleProcess
+from backends.strategies import SingleProcess
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "framework.backends"
 
-BackendFactory = Callable[[], TrainerBackend]
+BackendFactory = Callable[..., TrainerBackend]
+"""``factory(args)`` returning a backend built from the run's arguments, or ``factory()`` (older plugins)."""
 F = TypeVar("F", bound=BackendFactory)
 
 _registry: Dict[str, BackendFactory] = {}
+_takes_arguments: Dict[int, bool] = {}  # by id(factory) (registered factories stay alive), decided at registration
 _entry_points_loaded = False
+
+
+def _accepts_arguments(factory: Callable[..., Any]) -> bool:
+    """True when ``factory`` can be called with one positional argument (the run's arguments).
+
+    A ``TrainerBackend`` subclass takes them only through an ``__init__`` of its own (the base
+    class's first parameter is the strategy, not the arguments).
+    """
+    if isinstance(factory, type) and getattr(factory, "__init__", None) is TrainerBackend.__init__:
+        return False
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: call it as before
+        return False
+    try:
+        signature.bind(None)
+    except TypeError:
+        return False
+    return True
 
 
 def register_backend(name: str, factory: Optional[F] = None, *, override: bool = False) -> Union[F, Callable[[F], F]]:
@@ -27,12 +51,27 @@ def register_backend(name: str, factory: Optional[F] = None, *, override: bool =
     Use it as a decorator, ``@register_backend("name")``, or call it directly,
     ``register_backend("name", factory)``. A taken name is an error unless ``override=True``.
 
+    The factory receives the run's arguments (``framework.TrainerArguments``, or None for the
+    defaults; see :class:`backends.options.BackendArguments`) and passes the options it uses to
+    the constructors, e.g. ``lambda args: TrainerBackend(DDP.from_arguments(args),
+    MixedPrecision.from_arguments(args))``; a subclass takes them as ``__init__(self, args=None)``.
+    Whether it takes them is decided once, here, from its signature: a factory that takes no
+    argument (``lambda: ...``, a subclass whose ``__init__`` takes none or is the base class's)
+    is still called without one, and a non-default option it cannot receive is logged as a warning.
+    :func:`build_backend` then refuses an option the backend does not take (e.g.
+    ``find_unused_parameters=True`` for ``sp``) or was built with another value of.
+
     Example:
         >>> @register_backend("sp-verbose", override=True)
         ... class VerboseBackend(TrainerBackend):
-        ...     pass
+        ...     def __init__(self, args=None):
+        ...         super().__init__(SingleProcess.from_arguments(args), FullPrecision())
         >>> "sp-verbose" in available_backends()
         True
+        >>> register_backend("sp-plain", lambda: TrainerBackend(), override=True)  # doctest: +ELLIPSIS
+        <function ...>
+        >>> build_backend("sp-plain")
+        TrainerBackend(strategy=SingleProcess, precision=FullPrecision)
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"backend name must be a non-empty string, got {name!r}")
@@ -47,7 +86,10 @@ def register_backend(name: str, factory: Optional[F] = None, *, override: bool =
             )
         if name in _registry and not override and _registry[name] is not backend_factory:
             raise ValueError(f"backend name {name!r} is already registered; pass override=True to replace it")
+        if name in _registry:
+            _takes_arguments.pop(id(_registry[name]), None)
         _registry[name] = backend_factory
+        _takes_arguments[id(backend_factory)] = _accepts_arguments(backend_factory)
         return backend_factory
 
     return decorator(factory) if factory is not None else decorator
@@ -68,15 +110,15 @@ def unregister_backend(name: str) -> None:
     """
     if name not in _registry:
         raise ValueError(f"backend {name!r} is not registered; registered backends: {', '.join(sorted(_registry))}")
-    del _registry[name]
+    _takes_arguments.pop(id(_registry.pop(name)), None)
 
 
-def _load_entry_points() -> None:
+def _load_entry_points(rescan: bool = False) -> None:
     global _entry_points_loaded
-    if _entry_points_loaded:
+    if _entry_points_loaded and not rescan:
         return
     _entry_points_loaded = True
-    register_entry_points(ENTRY_POINT_GROUP, _registry, register_backend, "backend", logger)
+    register_entry_points(ENTRY_POINT_GROUP, _registry, register_backend, "backend", logger, rescan=rescan)
 
 
 def reload_entry_points() -> None:
@@ -90,10 +132,8 @@ def reload_entry_points() -> None:
         >>> "sp" in available_backends()
         True
     """
-    global _entry_points_loaded
     importlib.invalidate_caches()
-    _entry_points_loaded = False
-    _load_entry_points()
+    _load_entry_points(rescan=True)
 
 
 def available_backends() -> List[str]:
@@ -107,31 +147,49 @@ def available_backends() -> List[str]:
     return sorted(_registry)
 
 
-def build_backend(name: str) -> TrainerBackend:
-    """A new backend instance for ``name``.
+def build_backend(name: str, args: Optional[BackendArguments] = None) -> TrainerBackend:
+    """A new backend instance for ``name``, built from the run's arguments ``args``.
+
+    ``args`` is ``framework.TrainerArguments`` or any object with the same option attributes
+    (:class:`backends.options.BackendArguments`); None builds every option at its default.
 
     Example:
         >>> build_backend("ddp-amp")
         TrainerBackend(strategy=DDP, precision=MixedPrecision)
+        >>> from types import SimpleNamespace
+        >>> build_backend("fsdp", SimpleNamespace(reshard_after_forward=False)).options["reshard_after_forward"]
+        False
 
     Raises:
-        ValueError: ``name`` is not registered; the message lists the known names.
+        ValueError: ``name`` is not registered (the message lists the known names), or
+            ``args`` sets an option the backend does not take (see
+            :func:`backends.options.check_backend_options`).
     """
-    _load_entry_points()
+    if name not in _registry:  # a built-in or registered name needs no scan of the installed packages
+        _load_entry_points()
     if name not in _registry:
         raise ValueError(f"unknown backend {name!r}; available backends: {', '.join(available_backends())}")
-    backend = _registry[name]()
+    factory = _registry[name]
+    if id(factory) not in _takes_arguments:  # put in the registry without register_backend (tests)
+        _takes_arguments[id(factory)] = _accepts_arguments(factory)
+    takes_arguments = _takes_arguments[id(factory)]
+    backend = factory(args) if takes_arguments else factory()
     if not isinstance(backend, TrainerBackend):  # a factory function may return anything
         raise TypeError(f"backend factory for {name!r} returned {type(backend).__name__}, not a TrainerBackend")
+    check_backend_options(backend, args, "factory" if takes_arguments else "legacy", name)
     return backend
 
 
-register_backend("sp", lambda: TrainerBackend(SingleProcess(), FullPrecision()))
-register_backend("sp-amp", lambda: TrainerBackend(SingleProcess(), MixedPrecision()))
-register_backend("ddp", lambda: TrainerBackend(DDP(), FullPrecision()))
-register_backend("ddp-amp", lambda: TrainerBackend(DDP(), MixedPrecision()))
-register_backend("fsdp", lambda: TrainerBackend(FSDP(), FullPrecision()))
-register_backend("fsdp-amp", lambda: TrainerBackend(FSDP(), MixedPrecision(default_dtype="bfloat16")))
-register_backend("sp-bf16", lambda: TrainerBackend(SingleProcess(), TrueBF16()))
-register_backend("ddp-bf16", lambda: TrainerBackend(DDP(), TrueBF16()))
-register_backend("fsdp-bf16", lambda: TrainerBackend(FSDP(), TrueBF16()))
+def _amp(args: Optional[BackendArguments], default_dtype: Optional[str] = None) -> MixedPrecision:
+    return MixedPrecision(option(args, "amp_dtype"), default_dtype=default_dtype)
+
+
+register_backend("sp", lambda args: TrainerBackend(SingleProcess.from_arguments(args), FullPrecision()))
+register_backend("sp-amp", lambda args: TrainerBackend(SingleProcess.from_arguments(args), _amp(args)))
+register_backend("ddp", lambda args: TrainerBackend(DDP.from_arguments(args), FullPrecision()))
+register_backend("ddp-amp", lambda args: TrainerBackend(DDP.from_arguments(args), _amp(args)))
+register_backend("fsdp", lambda args: TrainerBackend(FSDP.from_arguments(args), FullPrecision()))
+register_backend("fsdp-amp", lambda args: TrainerBackend(FSDP.from_arguments(args), _amp(args, default_dtype="bfloat16")))
+register_backend("sp-bf16", lambda args: TrainerBackend(SingleProcess.from_arguments(args), TrueBF16.from_arguments(args)))
+register_backend("ddp-bf16", lambda args: TrainerBackend(DDP.from_arguments(args), TrueBF16.from_arguments(args)))
+register_backend("fsdp-bf16", lambda args: TrainerBackend(FSDP.from_arguments(args), TrueBF16.from_arguments(args)))

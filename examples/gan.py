@@ -6,9 +6,11 @@
 Generator and discriminator alternate inside ``train_step``: ``self.optimizers()`` gives
 both optimizers, ``self.manual_backward`` runs each backward through the backend (loss
 scaling, DDP gradient sync; the discriminator's backward reaches only its own parameters,
-so DDP needs ``find_unused_parameters``, which this script turns on).
+so DDP needs ``find_unused_parameters``, which this script turns on for the ddp backends:
+only DDP takes the option, any other backend refuses it).
 """
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -110,12 +112,13 @@ def main(argv: Any = None) -> float:
         "64",
         "--trainer.output_dir",
         "outputs/gan",
-        "--trainer.find_unused_parameters",
-        "true",
         "--trainer.seed",
         "0",
     ]
     config = parse_config({"model": GANArguments}, argv=defaults + argv, program="examples/gan.py")
+    if config.trainer.backend.startswith("ddp") and "--trainer.find_unused_parameters" not in argv:
+        # The discriminator's backward reaches only its own parameters: DDP must look for unused ones.
+        config.trainer = dataclasses.replace(config.trainer, find_unused_parameters=True)
     seed_everything(config.trainer.seed)
     trainer = Trainer(module=DigitsGAN(config.model), args=config.trainer)
     history = trainer.train()

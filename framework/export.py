@@ -39,7 +39,7 @@ def export_weights(trainer: Any, path: str, checkpoint: CheckpointChoice = None,
     if max_shard_size is not None and not str(path).endswith(SUFFIX):
         raise ValueError(f"export_weights({path!r}, max_shard_size={max_shard_size!r}): only .safetensors files are sharded")
     trainer.load_checkpoint_weights(checkpoint, "export_weights")
-    state = trainer.backend.strategy.unsharded(trainer.module.state_dict())  # fsdp: gathered on every rank
+    state = trainer.backend.unsharded(trainer.module.state_dict())  # fsdp: gathered on every rank
 
     def write() -> str:
         if str(path).endswith(SUFFIX):
@@ -76,9 +76,9 @@ def export_program(
         raise TypeError(
             f"export(example_inputs=...) must be a tuple of forward's positional arguments, got {type(example_inputs).__name__}"
         )
-    if trainer.backend.strategy.checkpoint_suffix == "":  # a sharded strategy: each rank holds part of the weights
+    if trainer.backend.checkpoint_suffix == "":  # a sharded strategy: each rank holds part of the weights
         raise NotImplementedError(
-            f"export() under the sharded {trainer.backend.strategy.name} strategy: write the weights with "
+            f"export() under the sharded {trainer.backend.strategy_name} strategy: write the weights with "
             "export_weights('model.safetensors'), then load them into the module in a plain process and export there"
         )
     if type(trainer.module).forward is torch.nn.Module.forward:

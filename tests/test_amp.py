@@ -114,8 +114,8 @@ class StepRecorder(Callback):
         )
 
 
-def scaled_backend() -> TrainerBackend:
-    return TrainerBackend(SingleProcess(), MixedPrecision("bfloat16", use_grad_scaler=True))
+def scaled_backend(use_gpu=None) -> TrainerBackend:
+    return TrainerBackend(SingleProcess(use_gpu=use_gpu), MixedPrecision("bfloat16", use_grad_scaler=True))
 
 
 def inf_args(tmp_path, **overrides) -> TrainerArguments:
@@ -146,10 +146,10 @@ def test_skipped_step_does_not_advance_the_scheduler_and_scaler_state_is_saved(t
     state = trainer.backend.get_state()
     assert state["precision"]["scaler"]["scale"] == 32768.0
     for restore_before_setup in (True, False):
-        backend = scaled_backend()
+        backend = scaled_backend(use_gpu=False)
         if restore_before_setup:
             backend.update_state(state)
-        backend.setup(use_gpu=False)
+        backend.setup()
         if not restore_before_setup:
             backend.update_state(state)
         assert backend.get_state() == state
@@ -201,8 +201,8 @@ def test_float16_on_cpu_is_refused_with_a_clear_error():
 
 
 def test_amp_defaults_to_bfloat16_without_scaler_on_cpu():
-    backend = build_backend("sp-amp")
-    backend.setup(use_gpu=False)
+    backend = build_backend("sp-amp", TrainerArguments(use_gpu=False))
+    backend.setup()
     assert backend.precision.dtype == torch.bfloat16
     assert backend.precision.scaler is None
     assert backend.get_state() == {"precision": {}}

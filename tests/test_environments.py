@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from backends import TrainerBackend, build_backend
+from backends import SingleProcess, TrainerBackend, build_backend
 from backends.environments import (
     ClusterEnvironment,
     LocalEnvironment,
@@ -246,9 +246,9 @@ def test_several_processes_with_a_single_process_strategy_are_refused(variables,
         check_launch(environment, multi_process=False)
     assert "--backend ddp" in str(error.value)
     check_launch(environment, multi_process=True)  # the same launch is fine for DDP
-    backend = build_backend("sp")
+    backend = TrainerBackend(SingleProcess(use_gpu=False, cluster=environment))
     with pytest.raises(ValueError, match="single process"):
-        backend.setup(use_gpu=False, cluster=environment)
+        backend.setup()
 
 
 def test_multi_process_strategy_in_an_sbatch_shell_warns():
@@ -269,6 +269,6 @@ def test_multi_process_strategy_in_an_sbatch_shell_warns():
 
 
 def test_backend_exposes_the_environment_it_set_up_with():
-    backend = TrainerBackend()
-    backend.setup(use_gpu=False, cluster="local")
+    backend = build_backend("sp", TrainerArguments(use_gpu=False, cluster="local"))
+    backend.setup()
     assert backend.cluster_environment.name == "local" and backend.world_size == 1

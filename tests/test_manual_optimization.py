@@ -37,10 +37,11 @@ def gan_args(tmp_path, **overrides: Any) -> TrainerArguments:
         disable_tqdm=True,
         log_level="WARNING",
         output_dir=str(tmp_path),
-        find_unused_parameters=True,
         log_every_n_steps=4,
     )
     values.update(overrides)
+    if str(values.get("backend", "sp")).startswith("ddp"):  # only DDP takes (and the GAN needs) the option
+        values.setdefault("find_unused_parameters", True)
     return TrainerArguments(**values)
 
 

@@ -119,10 +119,11 @@ BATCH_SHELL_SCRIPT = """#!/bin/bash
 {python} -c '
 import logging
 from backends import build_backend
+from framework import TrainerArguments
 logging.basicConfig()
 for name in ("sp", "ddp"):
-    backend = build_backend(name)
-    backend.setup(use_gpu=False)
+    backend = build_backend(name, TrainerArguments(use_gpu=False))
+    backend.setup()
     print(name, backend.cluster_environment.describe(), flush=True)
 '
 """

@@ -132,7 +132,7 @@ class WeightAveraging(Callback):
 
     def averaged_state_dict(self) -> Dict[str, torch.Tensor]:
         """The module's ``state_dict()`` with the averaged weights (under fsdp: this rank's shards;
-        ``trainer.backend.strategy.unsharded(...)`` gathers them). Call it on every rank."""
+        ``trainer.backend.unsharded(...)`` gathers them). Call it on every rank."""
         with self.applied():
             return {name: tensor.detach().clone() for name, tensor in self.trainer.module.state_dict().items()}
 

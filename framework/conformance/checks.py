@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from backends import build_backend
 from framework.callbacks import Callback, EarlyStopping
 from framework.checkpoint import DefaultCheckpointerArguments
 from framework.conformance.models import KitNet, KitTwoOptimizers, full_parameters
@@ -110,7 +111,10 @@ def automatic_optimization(context: Context) -> Dict[str, Any]:
 
 def manual_optimization(context: Context) -> Dict[str, Any]:
     """Two optimizers stepped by ``train_step`` (body clipped, then head on detached features)."""
-    trainer = _trainer(KitTwoOptimizers, _args(context, "manual", find_unused_parameters=True))
+    # The head's optimizer leaves the body unused in its backward: DDP must look for unused
+    # parameters; a backend that does not take the option (sp, fsdp) refuses it.
+    unused = {"find_unused_parameters": True} if "find_unused_parameters" in build_backend(context.backend).options else {}
+    trainer = _trainer(KitTwoOptimizers, _args(context, "manual", **unused))
     trainer.train()
     return {"params": full_parameters(trainer)}
 

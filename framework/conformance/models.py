@@ -165,5 +165,5 @@ class KitTwoOptimizers(KitNet):
 def full_parameters(trainer: Any) -> List[float]:
     """Every parameter of the trainer's module, whole (gathered from the shards: collective)."""
     named: Dict[str, Any] = dict(trainer.module.named_parameters())
-    full = trainer.backend.strategy.unsharded(named)
+    full = trainer.backend.unsharded(named)
     return torch.cat([tensor.detach().float().reshape(-1).cpu() for tensor in full.values()]).tolist()

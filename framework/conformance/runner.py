@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import traceback
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -100,11 +101,18 @@ def run_ranks(
     return results
 
 
+_ONE_CPU_PROCESS = SimpleNamespace(use_gpu=False, cluster="local")
+"""Backend options for looking at a backend in the kit's own process: CPU, no launcher."""
+
+
 def compute_dtype(backend: str) -> Optional[torch.dtype]:
     """What ``backend``'s precision computes in on CPU (None: fp32)."""
-    instance = build_backend(backend)
-    instance.precision.setup(torch.device("cpu"), None)
-    return instance.precision.compute_dtype
+    instance = build_backend(backend, _ONE_CPU_PROCESS)
+    instance.setup()
+    try:
+        return instance.compute_dtype
+    finally:
+        instance.teardown()
 
 
 def conformance(
@@ -123,8 +131,8 @@ def conformance(
     if unknown:
         raise ValueError(f"unknown check(s) {unknown}; allowed: {', '.join(CHECKS)}")
     instance = build_backend(backend)
-    declared = {**instance.strategy.unsupported_features, **instance.unsupported_features}
-    multi_process = instance.strategy.multi_process
+    declared = instance.declared_unsupported_features
+    multi_process = instance.multi_process
     lower_precision = compute_dtype(backend) is not None
     reference_name = "sp-amp" if lower_precision else "sp"
     parameter_tolerance = LOWER_PRECISION_TOLERANCE if lower_precision else FP32_TOLERANCE

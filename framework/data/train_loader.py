@@ -49,7 +49,7 @@ class TrainLoader:
             length: Optional[int] = len(self.loader)
         except TypeError:
             length = None
-        self.length = None if length is None else backend.strategy.min_over_ranks(length)
+        self.length = None if length is None else backend.min_over_ranks(length)
         warn_about_stream_shares(self.loader, backend.world_size, backend.all_gather_object)
         checks.check_train_loader_not_empty(self.loader, self.length, micro_batch_size)
         self.position = LoaderPosition(self.loader)

@@ -87,7 +87,7 @@ class Evaluator:
                 if not record:
                     losses.pop_epoch()
                     continue
-                outputs = self.backend.strategy.gather_in_dataset_order(concatenate_outputs(collected))
+                outputs = self.backend.gather_in_dataset_order(concatenate_outputs(collected))
                 suffix = f"/{key}" if key else ""
                 self.hooks.call(f"on_end_{stage.value}_epoch", global_step, *outputs, key=key)
                 loss_name = f"{stage.value}_loss"

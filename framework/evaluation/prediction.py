@@ -119,7 +119,7 @@ class Predictor:
             backend.barrier()  # every rank's files are in place
             logger.info("predict: wrote %d file(s) on rank 0 to %s", writer.parts, predictions_dir)
             return predictions_dir if backend.is_main_process else None
-        gathered = backend.strategy.gather_in_dataset_order(concatenate_outputs(collected))
+        gathered = backend.gather_in_dataset_order(concatenate_outputs(collected))
         if not backend.is_main_process or not gathered:
             return None
         return tuple(gathered) if collected and isinstance(collected[0], _Several) else gathered[0]

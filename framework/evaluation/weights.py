@@ -36,7 +36,7 @@ def check_checkpoint_choice(checkpoint: Any, method: str) -> None:
 def on_main_then_everywhere(backend: Any, compute: Callable[[], Any], what: str) -> Any:
     """``compute()`` on rank zero, its result on every rank; a failure there is raised on every
     rank (see ``Strategy.run_on_rank_zero``)."""
-    return backend.strategy.run_on_rank_zero(compute, f"failed to {what}")
+    return backend.run_on_rank_zero(compute, f"failed to {what}")
 
 
 def best_checkpoint_url(checkpointer: Any, backend: Any) -> Optional[str]:
@@ -79,13 +79,12 @@ def load_evaluation_weights(
         if not weights_known and backend.is_main_process:
             _warn_if_untrained(checkpointer, method)
         return None
-    strategy = backend.strategy
-    url = strategy.run_on_rank_zero(
+    url = backend.run_on_rank_zero(
         lambda: _resolve_on_main(checkpointer, checkpoint),
         f"failed to load checkpoint={checkpoint!r}",
         share_as=(FileNotFoundError, ValueError),
     )
-    load_weights(module, url, weights_only=_weights_only(checkpointer), strategy=strategy)
+    load_weights(module, url, weights_only=_weights_only(checkpointer), strategy=backend.strategy)  # the CheckpointIO seam
     logger.info("%s: evaluating the weights of %s", method, url)
     return url
 

@@ -27,7 +27,7 @@ class ManualOptimizer:
 
     Example:
         >>> from backends import build_backend
-        >>> backend = build_backend("sp"); backend.setup(use_gpu=False)
+        >>> backend = build_backend("sp"); backend.setup()
         >>> weight = torch.nn.Parameter(torch.ones(2))
         >>> optimizer = ManualOptimizer(torch.optim.SGD([weight], lr=0.5), backend)
         >>> weight.sum().backward()
@@ -48,7 +48,7 @@ class ManualOptimizer:
         """Step (through the precision); False when fp16 loss scaling skipped the update."""
         stepped = self._backend.step_optimizers([self.optimizer], closure)
         if self._wrapped is not None:
-            self._backend.strategy.refresh_parameters(self._wrapped)  # FSDP: gather the updated shards
+            self._backend.refresh_parameters(self._wrapped)  # FSDP: gather the updated shards
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -73,7 +73,7 @@ class ManualOptimization:
 
     Example:
         >>> from backends import build_backend
-        >>> backend = build_backend("sp"); backend.setup(use_gpu=False)
+        >>> backend = build_backend("sp"); backend.setup()
         >>> weight = torch.nn.Parameter(torch.ones(1))
         >>> manual = ManualOptimization(backend, [torch.optim.SGD([weight], lr=1.0)], [], None, lambda loss: None)
         >>> manual.backward((weight * 3).sum()); float(weight.grad)
@@ -106,10 +106,10 @@ class ManualOptimization:
                 + ("a tensor with requires_grad=False" if isinstance(loss, torch.Tensor) else type(loss).__name__)
             )
         if self.wrapped is not None:
-            self.backend.strategy.prepare_for_backward(self.wrapped, loss)
+            self.backend.prepare_for_backward(self.wrapped, loss)
         self.backend.backward(loss, *args, **kwargs)
         if self.wrapped is not None:
-            self.backend.strategy.refresh_parameters(self.wrapped)
+            self.backend.refresh_parameters(self.wrapped)
         self.on_backward(loss.detach())
 
     def clip_gradients(

@@ -91,7 +91,7 @@ def search_micro_batch(
                 buffer.copy_(saved)
         restore_rng_state(rng)
         collector.load_state_dict(logged, device)
-    agreed = backend.strategy.min_over_ranks(size)  # every rank agrees before any raises
+    agreed = backend.min_over_ranks(size)  # every rank agrees before any raises
     if agreed == 0:
         raise RuntimeError(
             "gpu_batch_size_limit='auto': even a micro-batch of 1 runs out of device memory in forward and backward"

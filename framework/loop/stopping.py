@@ -53,7 +53,7 @@ class StopConditions:
         if step % args.log_every_n_steps == 0:  # the flags rode on the log point's all-reduce
             return self.should_end(epochs_finished, step)
         pending = self.preemption.requested or self.clock_expired()
-        if pending and self.backend.strategy.preemption_agreed(True, step):
+        if pending and self.backend.preemption_agreed(True, step):
             self.agree()  # once, at the agreed step: every rank learns every reason
             return True
         return False
@@ -72,7 +72,7 @@ class StopConditions:
 
     def agree(self) -> None:
         """Every rank adopts any rank's stop request, expired clock and signal (one tiny all-reduce)."""
-        self.adopt(self.backend.strategy.any_rank(self.flags()))
+        self.adopt(self.backend.any_rank(self.flags()))
 
     def should_end(self, epochs_finished: int, steps_finished: int) -> bool:
         """True when training is over: complete, out of time, preempted, or asked to stop after ``min_epochs``."""

@@ -88,15 +88,10 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         self.args = args
         self.module = module
         self.preemption = PreemptionHandler(parse_signals(args.preemption_signals))
-        self.backend = trainer_backend if trainer_backend is not None else build_backend(args.backend)
-        self.backend.setup(
-            use_gpu=args.use_gpu,
-            amp_dtype=args.amp_dtype,
-            find_unused_parameters=args.find_unused_parameters,
-            ddp_timeout=args.ddp_timeout,
-            cluster=args.cluster,
-            compile=args.compile,
-        )
+        if trainer_backend is not None:
+            trainer_backend.check_options(args)  # an instance keeps its own options: refuse arguments it would lose
+        self.backend = trainer_backend if trainer_backend is not None else build_backend(args.backend, args)
+        self.backend.setup()  # every option went to the strategy's and the precision's constructors
         environment = self.backend.cluster_environment
         self.launcher_watch = LauncherWatch(self.preemption, environment.launcher, environment.parent_is_launcher)
         try:
@@ -150,7 +145,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         except BaseException:
             self.backend.teardown()
             raise
-        self.backend.precision.convert_module(module.to(self.device))  # true bf16: cast before any step
+        self.backend.convert_module(module.to(self.device))  # true bf16: cast before any step
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -205,7 +200,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
             self.loggers.finish(run_status(error))  # after the checkpoint is written
             explanation = None
             if not isinstance(error, TrainingPreempted):
-                explanation = self.launcher_watch.explain(error) or self.backend.strategy.explain_failure(error)
+                explanation = self.launcher_watch.explain(error) or self.backend.explain_failure(error)
             if explanation is not None:
                 raise RuntimeError(explanation) from error
             raise

@@ -125,10 +125,9 @@ class TrainerCheckpoints:
 
     def save_model_checkpoint(self) -> Optional[str]:
         """Write the module's full weights alone (for inference), on rank zero (call on every rank)."""
-        strategy = self.backend.strategy
-        state = strategy.unsharded(self.module.get_state())  # fsdp: gathered from the shards
+        state = self.backend.unsharded(self.module.get_state())  # fsdp: gathered from the shards
         step = self.global_steps_finished
-        location = strategy.run_on_rank_zero(lambda: self.checkpointer.save_model(state, step), "failed to export the model")
+        location = self.backend.run_on_rank_zero(lambda: self.checkpointer.save_model(state, step), "failed to export the model")
         return location if self.is_main_process else None
 
     def _restore_checkpoint(self) -> None:

@@ -121,7 +121,7 @@ class TrainingStep:
 
     def _next_batch(self, batches: Iterator[Any]) -> Any:
         batch = next(batches, None)
-        if self._sync_every_batch and not self.backend.strategy.all_ranks_have_batch(batch is not None):
+        if self._sync_every_batch and not self.backend.all_ranks_have_batch(batch is not None):
             return None  # every rank stops when the first runs out (the others would wait in an all-reduce)
         return None if batch is None else self.backend.move_to_device(batch)
 

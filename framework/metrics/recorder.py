@@ -77,9 +77,9 @@ class MetricRecorder:
     def record_train_loss(self, name: str, value: float) -> None:
         """Record a training loss read back from the device; a NaN/inf one ends the run (unless a
         GradScaler skips such steps: then it never reached the weights)."""
-        if not math.isfinite(value) and self.args.stop_on_nonfinite_loss and not self.backend.precision.skips_nonfinite_steps:
+        if not math.isfinite(value) and self.args.stop_on_nonfinite_loss and not self.backend.skips_nonfinite_steps:
             first = self.losses.first_nonfinite_step()
-            first = self.backend.strategy.min_over_ranks(first if first is not None else 2**62)
+            first = self.backend.min_over_ranks(first if first is not None else 2**62)
             raise TrainingDiverged(first, value)
         self.record({name: value})
 

@@ -94,11 +94,15 @@ class TrainerArguments(_CarriesRunConfig):
     backend: str = "sp"
     """Backend name: sp, sp-amp, sp-bf16, ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, or a registered plugin."""
     amp_dtype: Optional[str] = None
-    """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU."""
+    """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU
+    (``*-amp`` backends; ``*-bf16`` take only bfloat16; fp32 backends refuse a value)."""
     find_unused_parameters: bool = False
-    """Passed to DistributedDataParallel."""
+    """Passed to DistributedDataParallel (ddp backends only: any other backend refuses True)."""
     ddp_timeout: float = 600.0
     """Seconds a collective waits for a missing rank before the job fails."""
+    reshard_after_forward: bool = True
+    """fsdp backends: free each unit's gathered parameters after its forward (less memory, one more all-gather
+    in backward); False keeps them until backward. Any other backend refuses False."""
     cluster: Optional[str] = None
     """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
     compile: bool = False
@@ -172,6 +176,7 @@ class TrainerArguments(_CarriesRunConfig):
         _require(0 <= self.seed < 2**32, "seed", self.seed, "an integer from 0 to 2**32 - 1 (numpy's seed range)")
         _require(self.log_every_n_steps >= 1, "log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
         _require(self.ddp_timeout > 0, "ddp_timeout", self.ddp_timeout, "seconds > 0")
+        _require(isinstance(self.reshard_after_forward, bool), "reshard_after_forward", self.reshard_after_forward, "True, False")
         _require(str(self.log_level).upper() in _LOG_LEVELS, "log_level", self.log_level, f"one of {_LOG_LEVELS}")
         _require(isinstance(self.backend, str) and bool(self.backend), "backend", self.backend, "a backend name")
         parse_signals(self.preemption_signals)  # an unknown name is an error naming it and the allowed ones

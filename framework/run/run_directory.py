@@ -90,7 +90,7 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
 
     Rank zero (the rank that writes) runs :func:`check_output_dir_free` with
     ``checkpointer.continues_existing_run()`` and then ``checkpointer.prepare_run()``; its
-    outcome is shared (``strategy.run_on_rank_zero``), so every rank raises together instead
+    outcome is shared (``backend.run_on_rank_zero``), so every rank raises together instead
     of waiting in a collective. Call it on every rank.
 
     Raises:
@@ -104,4 +104,4 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
         check_output_dir_free(output_dir, checkpointer.continues_existing_run())
         checkpointer.prepare_run()
 
-    backend.strategy.run_on_rank_zero(claim, "refused to start the run", share_as=(RunDirectoryInUse,))
+    backend.run_on_rank_zero(claim, "refused to start the run", share_as=(RunDirectoryInUse,))

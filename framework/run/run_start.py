@@ -24,8 +24,7 @@ def run_start_notes(trainer: "TrainerView") -> List[str]:
         description = trainer.checkpointer.describe()
         if description:
             notes.append(description)
-    strategy = trainer.backend.strategy
-    if strategy.multi_process and trainer.backend.world_size == 1:
+    if trainer.backend.multi_process and trainer.backend.world_size == 1:
         environment = trainer.backend.cluster_environment
         how = (
             "not launched by torchrun/srun"

@@ -1,0 +1,168 @@
+"""Backend options: what a run's arguments may set on a backend's strategy and precision.
+
+Options reach a backend one way, through constructors: a registered factory receives the run's
+arguments (``framework.TrainerArguments``, or anything with the same attribute names; see
+:class:`BackendArguments`) and passes them to ``DDP(...)``, ``MixedPrecision(...)``. A backend
+reports what it was built with (:attr:`backends.TrainerBackend.options`), and
+:func:`check_backend_options` refuses an argument that would otherwise be lost: one the
+backend does not take, or one it was built with another value of.
+
+backends/ never imports framework/: arguments are read by attribute name, with the defaults below.
+"""
+
+import logging
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol
+
+if TYPE_CHECKING:
+    from backends.base import TrainerBackend
+
+logger = logging.getLogger(__name__)
+
+OPTION_DEFAULTS: Dict[str, Any] = {
+    "use_gpu": None,
+    "cluster": None,
+    "compile": False,
+    "find_unused_parameters": False,
+    "ddp_timeout": 600.0,
+    "reshard_after_forward": True,
+    "amp_dtype": None,
+}
+"""Every backend option, by its ``TrainerArguments`` name, with the value that means "not set"."""
+
+CONSTRUCTOR_PARAMETERS: Dict[str, str] = {
+    "use_gpu": "the strategy's use_gpu=",
+    "cluster": "the strategy's cluster=",
+    "compile": "the strategy's compile=",
+    "find_unused_parameters": "DDP(find_unused_parameters=...)",
+    "ddp_timeout": "DDP(timeout_seconds=...) or FSDP(timeout_seconds=...)",
+    "reshard_after_forward": "FSDP(reshard_after_forward=...)",
+    "amp_dtype": "MixedPrecision(dtype=...)",
+}
+"""Where each option goes when a backend is built by hand."""
+
+APPLIES_TO: Dict[str, str] = {
+    "find_unused_parameters": "the ddp backends (ddp, ddp-amp, ddp-bf16)",
+    "reshard_after_forward": "the fsdp backends (fsdp, fsdp-amp, fsdp-bf16)",
+    "amp_dtype": "the mixed-precision backends (*-amp) and, as 'bfloat16', the true bf16 ones (*-bf16)",
+    "ddp_timeout": "multi-process strategies (ddp, fsdp)",
+}
+
+NO_OP_WITHOUT = frozenset({"ddp_timeout"})
+"""Options accepted by every backend although some do not use them: ``ddp_timeout`` bounds how
+long a collective waits for another rank, and a single process never waits for one."""
+
+
+class BackendArguments(Protocol):
+    """The run's arguments as a backend factory reads them; ``framework.TrainerArguments`` is one.
+
+    A factory should read them with :func:`option`, which also accepts None (every option at
+    its default) and objects that lack some of these attributes.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> option(SimpleNamespace(ddp_timeout=30.0), "ddp_timeout"), option(None, "ddp_timeout")
+        (30.0, 600.0)
+    """
+
+    use_gpu: Optional[bool]
+    cluster: Optional[str]
+    compile: bool
+    find_unused_parameters: bool
+    ddp_timeout: float
+    reshard_after_forward: bool
+    amp_dtype: Optional[str]
+
+
+def option(args: Optional[BackendArguments], name: str) -> Any:
+    """The value of the backend option ``name`` in ``args`` (its default when ``args`` is None or lacks it).
+
+    Raises:
+        ValueError: ``name`` is not a backend option; the message lists them.
+
+    Example:
+        >>> option(None, "reshard_after_forward")
+        True
+    """
+    if name not in OPTION_DEFAULTS:
+        raise ValueError(f"unknown backend option {name!r}; allowed: {', '.join(OPTION_DEFAULTS)}")
+    return getattr(args, name, OPTION_DEFAULTS[name]) if args is not None else OPTION_DEFAULTS[name]
+
+
+def set_options(args: Optional[BackendArguments]) -> Dict[str, Any]:
+    """The backend options ``args`` sets to a value other than the default.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> set_options(SimpleNamespace(compile=True, use_gpu=None))
+        {'compile': True}
+    """
+    values = {name: option(args, name) for name in OPTION_DEFAULTS}
+    return {name: value for name, value in values.items() if value != OPTION_DEFAULTS[name]}
+
+
+def check_backend_options(
+    backend: "TrainerBackend", args: Optional[BackendArguments], built_by: str = "instance", name: Optional[str] = None
+) -> None:
+    """Refuse a backend option that ``args`` sets but ``backend`` would not use.
+
+    Every option ``args`` sets to a non-default value must be one the backend takes
+    (:attr:`~backends.TrainerBackend.options`), with that value. ``built_by`` says where the
+    backend came from: ``"instance"`` (``Trainer(trainer_backend=...)``: its constructors' options
+    are used), ``"factory"`` (a registered factory that received ``args``) or ``"legacy"`` (a
+    zero-argument factory, which cannot receive them: a mismatch is a warning, so such plugins
+    keep working). ``ddp_timeout`` is accepted by a backend without collectives (see
+    :data:`NO_OP_WITHOUT`).
+
+    Raises:
+        ValueError: an option the backend does not take, or was built with another value of;
+            the message names the option, the backend and what is allowed.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from backends import SingleProcess, TrainerBackend
+        >>> sp = TrainerBackend(SingleProcess())
+        >>> check_backend_options(sp, SimpleNamespace(find_unused_parameters=True))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: find_unused_parameters=True does not apply to the trainer_backend instance ...
+    """
+    if built_by not in ("instance", "factory", "legacy"):
+        raise ValueError(f"built_by={built_by!r} is invalid; allowed: 'instance', 'factory', 'legacy'")
+    taken = backend.options
+    label = f"backend {name!r}" if name is not None else f"the trainer_backend instance {backend!r}"
+    lost = []
+    for option_name, value in set_options(args).items():
+        if option_name not in taken:
+            if option_name in NO_OP_WITHOUT:
+                continue
+            if built_by == "legacy":
+                lost.append(f"{option_name}={value!r}")
+                continue
+            raise ValueError(
+                f"{option_name}={value!r} does not apply to {label}: it takes {', '.join(taken) or 'no options'}; "
+                f"allowed: {option_name}={OPTION_DEFAULTS[option_name]!r} (the option applies to "
+                f"{APPLIES_TO.get(option_name, 'other backends')})"
+            )
+        built = taken[option_name]
+        if built == value:
+            continue
+        if built_by == "legacy":
+            lost.append(f"{option_name}={value!r}")
+        elif built_by == "instance":
+            raise ValueError(
+                f"TrainerArguments.{option_name}={value!r}, but {label} was built with {option_name}={built!r}, and an "
+                f"instance's own options are used: pass it to {CONSTRUCTOR_PARAMETERS[option_name]} when building the "
+                "instance, or choose the backend by name (TrainerArguments.backend) so the arguments reach it"
+            )
+        else:
+            raise ValueError(
+                f"{option_name}={value!r} was asked for, but {label}'s factory built it with {option_name}={built!r}; "
+                f"the factory must pass args.{option_name} to {CONSTRUCTOR_PARAMETERS[option_name]}"
+            )
+    if lost:
+        logger.warning(
+            "backend %r is built by a factory that takes no arguments, so %s from the run's arguments do not reach "
+            "it; give the factory an `args` parameter and pass them to the constructors (see docs/backends.md)",
+            name,
+            ", ".join(lost),
+        )

@@ -10,6 +10,7 @@ from backends.checkpoint_io import CheckpointIO
 from backends.environments import ClusterEnvironment
 from backends.options import BackendArguments, check_backend_options
 from backends.precision import FullPrecision, Precision
+from backends.stateful import refuse_renamed_state_methods
 from backends.strategies import SingleProcess, Strategy
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,10 @@ class TrainerBackend:
     resume_tolerance: float = 0.0
     """Largest parameter difference between a resumed run and an uninterrupted one that the
     conformance kit accepts (0.0: bitwise, what the built-in backends promise)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_renamed_state_methods(cls, "docs/backends.md")
 
     def __init__(self, strategy: Optional[Strategy] = None, precision: Optional[Precision] = None) -> None:
         if strategy is not None and not isinstance(strategy, Strategy):
@@ -318,13 +323,13 @@ class TrainerBackend:
         return self.strategy.local_shards(state)
 
     # -- state ----------------------------------------------------------------------
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the backend (the gradient scaler)."""
-        return {"precision": self.precision.get_state()}
+        return {"precision": self.precision.state_dict()}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned."""
-        self.precision.update_state(state.get("precision", {}))
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.precision.load_state_dict(state.get("precision", {}))
 
 
 def _has_call_hooks(module: torch.nn.Module) -> bool:

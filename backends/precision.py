@@ -10,6 +10,7 @@ import torch
 
 from backends.batch import map_tensors
 from backends.options import BackendArguments, option
+from backends.stateful import refuse_renamed_state_methods
 
 P = TypeVar("P", bound="Precision")
 
@@ -30,6 +31,10 @@ class Precision:
     """
 
     name = "fp32"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refuse_renamed_state_methods(cls, "docs/backends.md")
 
     @classmethod
     def from_arguments(cls: Type[P], args: Optional[BackendArguments] = None) -> P:
@@ -90,12 +95,12 @@ class Precision:
         """The dtype forwards compute in when it is not fp32 (a sharded strategy gathers parameters in it)."""
         return None
 
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         """Precision state that belongs in a checkpoint."""
         return {}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned."""
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
 
 
 class FullPrecision(Precision):
@@ -224,10 +229,10 @@ class MixedPrecision(Precision):
     def compute_dtype(self) -> Optional[torch.dtype]:
         return self.dtype
 
-    def get_state(self) -> Dict[str, Any]:
+    def state_dict(self) -> Dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
 
-    def update_state(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         scaler_state = state.get("scaler")
         if not scaler_state:
             return

@@ -100,7 +100,7 @@ class StepRecorder(Callback):
         self.state_at_start = None
 
     def on_begin_train(self, global_step):
-        self.state_at_start = self.trainer.backend.get_state()
+        self.state_at_start = self.trainer.backend.state_dict()
 
     def on_end_optimizer_step(self, global_step):
         scheduler = self.trainer.schedulers[0]
@@ -143,22 +143,22 @@ def test_skipped_step_does_not_advance_the_scheduler_and_scaler_state_is_saved(t
     assert not torch.equal(steps[0]["params"], initial)
     assert [s["scheduler_position"] for s in steps] == [1, 2, 2, 3, 4, 5, 6, 7]
     # The scaler is part of the backend state, and a new backend restores it (before or after setup).
-    state = trainer.backend.get_state()
+    state = trainer.backend.state_dict()
     assert state["precision"]["scaler"]["scale"] == 32768.0
     for restore_before_setup in (True, False):
         backend = scaled_backend(use_gpu=False)
         if restore_before_setup:
-            backend.update_state(state)
+            backend.load_state_dict(state)
         backend.setup()
         if not restore_before_setup:
-            backend.update_state(state)
-        assert backend.get_state() == state
+            backend.load_state_dict(state)
+        assert backend.state_dict() == state
 
 
 def test_scaler_state_survives_checkpoint_and_resume(tmp_path):
     first = Trainer(InfAtStep(scheduler="step"), inf_args(tmp_path), trainer_backend=scaled_backend())
     first.train()  # saves a checkpoint at the end
-    saved = first.backend.get_state()
+    saved = first.backend.state_dict()
     assert saved["precision"]["scaler"]["scale"] == 32768.0
     recorder = StepRecorder()
     resumed = Trainer(
@@ -205,4 +205,4 @@ def test_amp_defaults_to_bfloat16_without_scaler_on_cpu():
     backend.setup()
     assert backend.precision.dtype == torch.bfloat16
     assert backend.precision.scaler is None
-    assert backend.get_state() == {"precision": {}}
+    assert backend.state_dict() == {"precision": {}}

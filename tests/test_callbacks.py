@@ -16,6 +16,7 @@ from logs import captured_log
 from distributed import run_ranks
 from toy import ToyModule, flat_parameters, toy_args
 
+from backends import MixedPrecision, TrainerBackend
 from framework import Trainer, TrainerArguments, TrainingDiverged
 from framework.callbacks import (
     Callback,
@@ -180,7 +181,7 @@ def test_callback_states_survive_checkpoint_resume(tmp_path):
     assert times == sorted(times) and timer.total_seconds > first_timer.total_seconds
 
 
-def test_a_callback_or_checkpointer_with_the_old_state_method_names_is_refused_at_definition():
+def test_a_plugin_with_the_old_state_method_names_is_refused_at_definition():
     with pytest.raises(TypeError, match=r"OldCounter defines get_state.*rename get_state -> state_dict"):
 
         class OldCounter(Callback):
@@ -199,6 +200,18 @@ def test_a_callback_or_checkpointer_with_the_old_state_method_names_is_refused_a
             def get_state(self):
                 return {}
 
+            def update_state(self, state):
+                pass
+
+    with pytest.raises(TypeError, match=r"OldScaling defines get_state.*docs/backends.md"):
+
+        class OldScaling(MixedPrecision):
+            def get_state(self):
+                return {}
+
+    with pytest.raises(TypeError, match=r"OldBackend defines update_state.*docs/backends.md"):
+
+        class OldBackend(TrainerBackend):
             def update_state(self, state):
                 pass
 

@@ -2,8 +2,8 @@
 
 from typing import TYPE_CHECKING, Any, Dict
 
+from backends.stateful import refuse_renamed_state_methods
 from framework.loop.hooks import TrainingHooks
-from framework.stateful import refuse_renamed_state_methods
 
 if TYPE_CHECKING:
     from framework.loop.view import TrainerView

@@ -5,9 +5,9 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
+from backends.stateful import refuse_renamed_state_methods
 from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint.checkpoint import Checkpoint
-from framework.stateful import refuse_renamed_state_methods
 
 
 class AbstractCheckpointer(abc.ABC):

@@ -20,7 +20,7 @@ class Checkpoint:
         module_state: ``ModuleInterface.get_state()`` (the model weights, plus user extras).
         trainer_state: ``Trainer.state_dict()`` (counters, optimizers, schedulers, RNG,
             sampler, callbacks, metric history).
-        backend_state: ``TrainerBackend.get_state()`` (the gradient scaler).
+        backend_state: ``TrainerBackend.state_dict()`` (the gradient scaler).
         global_step: optimizer steps finished when it was taken.
         epoch: epochs finished when it was taken.
         metrics: the metric values recorded at ``global_step``, i.e. measured on these weights

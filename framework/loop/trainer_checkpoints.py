@@ -116,7 +116,7 @@ class TrainerCheckpoints:
         return Checkpoint(
             module_state=self.module.get_state(),
             trainer_state=trainer_state,
-            backend_state=self.backend.get_state(),
+            backend_state=self.backend.state_dict(),
             global_step=step,
             epoch=self.epochs_finished,
             # Only values measured on these weights rank the checkpoint (best-k retention).
@@ -150,7 +150,7 @@ class TrainerCheckpoints:
         checks.check_optimizer_state_compatible(checkpoint.trainer_state, self.optimizers, self.schedulers, path)
         check_optimizer_classes(checkpoint.trainer_state, self.optimizers, path)
         with checks.naming_missing_keys(path, "trainer state"):
-            self.backend.update_state(checkpoint.backend_state)
+            self.backend.load_state_dict(checkpoint.backend_state)
             self.load_state_dict(checkpoint.trainer_state)
 
     def _own_module_state(self, trainer_state: Dict[str, Any]) -> Dict[str, Any]:

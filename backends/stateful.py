@@ -1,16 +1,16 @@
 """One state vocabulary: every internal component with state speaks torch's ``state_dict()`` /
-``load_state_dict()`` (callbacks, checkpointers, the trainer's parts). The module is the
+``load_state_dict()`` (callbacks, checkpointers, the trainer's parts, backends and precisions). The module is the
 exception: its ``state_dict()`` is its weights, so the user's own state is ``get_state()`` /
 ``update_state()`` on :class:`~framework.ModuleInterface`."""
 
 from typing import Dict
 
 RENAMED_STATE_METHODS: Dict[str, str] = {"get_state": "state_dict", "update_state": "load_state_dict"}
-"""The state methods plugins (callbacks, checkpointers) used to define, and their names now."""
+"""The state methods plugins (callbacks, checkpointers, backends, precisions) used to define, and their names now."""
 
 
 def refuse_renamed_state_methods(cls: type, docs: str) -> None:
-    """Raise when ``cls`` (a user's callback or checkpointer class) defines the state methods
+    """Raise when ``cls`` (a user's callback, checkpointer, backend or precision class) defines the state methods
     under their old names, which the trainer no longer calls: its state would be lost silently.
 
     Args:

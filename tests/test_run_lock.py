@@ -120,8 +120,15 @@ def test_the_heartbeat_is_refreshed_and_a_taken_over_lock_is_left_to_its_new_hol
     first = json.loads((tmp_path / LOCK_NAME).read_text())
     wait_for(lambda: json.loads((tmp_path / LOCK_NAME).read_text())["heartbeat"] > first["heartbeat"], timeout=10)
     # another host took the lock over (it judged this one stale): this run stops beating, leaves it alone
-    write_lock(tmp_path, 4242, "node-elsewhere", age=0.0)
+
+    def take_over() -> bool:
+        if any("was taken over by another run" in line for line in framework_log):
+            return True
+        write_lock(tmp_path, 4242, "node-elsewhere", age=0.0)  # again: a beat read before it may have overwritten it
+        return False
+
+    wait_for(take_over, timeout=10)
     taken = (tmp_path / LOCK_NAME).read_text()
-    wait_for(lambda: any("was taken over by another run" in line for line in framework_log), timeout=10)
+    time.sleep(0.2)  # several heartbeat periods: none writes any more
     lock.release()
     assert (tmp_path / LOCK_NAME).read_text() == taken

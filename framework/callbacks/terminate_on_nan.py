@@ -31,9 +31,7 @@ class TerminateOnNaN(Callback):
 
     def on_end_backward(self, global_step: int, loss: torch.Tensor) -> None:
         local_finite = torch.isfinite(loss.detach()).all()
-        finite = local_finite.float()
-        if self.trainer.backend.world_size > 1:
-            finite = self.trainer.backend.all_reduce(finite, "min")
+        finite = self.trainer.backend.all_reduce(local_finite.float(), "min")  # a no-op on one rank
         if bool(finite):
             return
         self.stopped_step = global_step

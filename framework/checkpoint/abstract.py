@@ -43,6 +43,13 @@ class AbstractCheckpointer(abc.ABC):
     """Where the run's processes are (set by :meth:`setup`; one process until then)."""
     loaded_from: Optional[str] = None
     """Path or URL of the checkpoint :meth:`load_into` returned, for messages; None when unknown."""
+    save_dir: Optional[str] = None
+    """Where this checkpointer writes (``checkpoint="last"``/``"best"`` look there); None: nowhere."""
+    weights_only: bool = True
+    """Reads refuse pickled objects (``torch.load(weights_only=True)``)."""
+    metric: str = "val_loss"
+    """The metric that ranks checkpoints for ``checkpoint="best"``, and whether lower is better (``mode``)."""
+    mode: str = "min"
 
     def setup(self, strategy: Strategy) -> None:
         """Told once, by the trainer, which strategy writes and reads the checkpoints."""
@@ -112,6 +119,14 @@ class AbstractCheckpointer(abc.ABC):
 
     def wait(self) -> None:
         """Block until background writes finish; re-raise their errors."""
+
+    def best_checkpoint(self) -> Optional[str]:
+        """URL of the best checkpoint by :attr:`metric` among those this run scored, or None."""
+        return None
+
+    def resume_source(self) -> Optional[str]:
+        """The checkpoint or directory a run would resume from, or None."""
+        return None
 
     def state_dict(self) -> Dict[str, Any]:
         """Checkpointer state kept inside checkpoints (e.g. scores for best-k retention)."""

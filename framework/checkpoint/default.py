@@ -94,11 +94,14 @@ class DefaultCheckpointer(AbstractCheckpointer):
         5
     """
 
+    save_dir: str  # always a directory: save_dir, or output_dir/checkpoints
+
     def __init__(self, args: Optional[DefaultCheckpointerArguments] = None, default_dir: str = "outputs/checkpoints") -> None:
         if args is not None and not isinstance(args, DefaultCheckpointerArguments):
             raise TypeError(f"args must be DefaultCheckpointerArguments or None, got {type(args).__name__}")
         self.args = args if args is not None else DefaultCheckpointerArguments()
         self.save_dir = str(self.args.save_dir or default_dir)
+        self.weights_only, self.metric, self.mode = self.args.weights_only, self.args.metric, self.args.mode
         self._fs, self._dir = storage.resolve(self.save_dir)
         self._scores = CheckpointScores()  # changed by the training and the writer thread
         self._writer = BackgroundWriter()

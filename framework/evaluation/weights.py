@@ -2,7 +2,7 @@
 same file on every rank (rank zero picks it and broadcasts where it is)."""
 
 import logging
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -39,11 +39,10 @@ def on_main_then_everywhere(backend: Any, compute: Callable[[], Any], what: str)
     return backend.run_on_rank_zero(compute, f"failed to {what}")
 
 
-def best_checkpoint_url(checkpointer: Any, backend: Any) -> Optional[str]:
+def best_checkpoint_url(checkpointer: AbstractCheckpointer, backend: TrainerBackend) -> Optional[str]:
     """Rank zero's ``checkpointer.best_checkpoint()`` on every rank (rank zero scores the
     checkpoints it keeps). Collective under DDP: call it on every rank."""
-    best = getattr(checkpointer, "best_checkpoint", None)
-    return on_main_then_everywhere(backend, lambda: best() if callable(best) else None, "find the best checkpoint")
+    return on_main_then_everywhere(backend, checkpointer.best_checkpoint, "find the best checkpoint")
 
 
 def load_evaluation_weights(
@@ -84,20 +83,14 @@ def load_evaluation_weights(
         f"failed to load checkpoint={checkpoint!r}",
         share_as=(FileNotFoundError, ValueError),
     )
-    load_weights(module, url, weights_only=_weights_only(checkpointer), strategy=backend.strategy)  # the CheckpointIO seam
+    load_weights(module, url, weights_only=checkpointer.weights_only, strategy=backend.strategy)  # the CheckpointIO seam
     logger.info("%s: evaluating the weights of %s", method, url)
     return url
 
 
-def _weights_only(checkpointer: Any) -> bool:
-    args = getattr(checkpointer, "args", None)
-    return bool(getattr(args, "weights_only", True))
-
-
-def _resolve_on_main(checkpointer: Any, checkpoint: str) -> str:
+def _resolve_on_main(checkpointer: AbstractCheckpointer, checkpoint: str) -> str:
     """The URL of the checkpoint ``checkpoint`` names (rank zero reads candidates to find it)."""
-    weights_only = _weights_only(checkpointer)
-    save_dir = getattr(checkpointer, "save_dir", None)
+    weights_only, save_dir = checkpointer.weights_only, checkpointer.save_dir
     if checkpoint not in ("last", "best"):
         return resolve_checkpoint(checkpoint, weights_only=weights_only)
     if save_dir is None:
@@ -105,17 +98,16 @@ def _resolve_on_main(checkpointer: Any, checkpoint: str) -> str:
             f"checkpoint={checkpoint!r} needs a checkpointer with a save_dir ({type(checkpointer).__name__} has none); "
             "pass the checkpoint's path instead"
         )
-    args = getattr(checkpointer, "args", None)
     if checkpoint == "best":
-        scored = checkpointer.best_checkpoint() if callable(getattr(checkpointer, "best_checkpoint", None)) else None
+        scored = checkpointer.best_checkpoint()
         if scored is not None:
             return resolve_checkpoint(scored, weights_only=weights_only)
-        metric, mode = getattr(args, "metric", "val_loss"), getattr(args, "mode", "min")
+        metric, mode = checkpointer.metric, checkpointer.mode
         return resolve_checkpoint(save_dir, step="best", metric=metric, mode=mode, weights_only=weights_only)
     try:
         return resolve_checkpoint(save_dir, step="last", weights_only=weights_only)
     except FileNotFoundError:
-        source = _resume_source(checkpointer)
+        source = checkpointer.resume_source()
         if source is None or source == save_dir:
             raise FileNotFoundError(
                 f"checkpoint='last': save_dir {save_dir!r} holds no checkpoint, and there is no load_filename or "
@@ -124,14 +116,9 @@ def _resolve_on_main(checkpointer: Any, checkpoint: str) -> str:
         return resolve_checkpoint(source, step="last", weights_only=weights_only)
 
 
-def _resume_source(checkpointer: Any) -> Union[str, None]:
-    source = getattr(checkpointer, "resume_source", None)
-    return source() if callable(source) else None
-
-
 def _warn_if_untrained(checkpointer: AbstractCheckpointer, method: str) -> None:
     try:
-        source = _resume_source(checkpointer)
+        source = checkpointer.resume_source()
     except OSError:  # listing the directory failed: say nothing rather than fail the evaluation
         return
     if source is not None:

@@ -92,8 +92,7 @@ class StartingIdentity:
         found: Optional[Tuple[Optional[str], str]] = None
         if backend.is_main_process:
             found = (recorded_run_id(output_dir), new_run_id())
-        if backend.world_size > 1:
-            found = backend.broadcast_object(found)
+        found = backend.broadcast_object(found)  # a no-op on one rank
         if found is None:
             raise RuntimeError("rank zero sent no run id")
         return cls(*found)

@@ -218,8 +218,7 @@ def claim_run_lock(output_dir: str, backend: "TrainerBackend") -> Optional[RunLo
             lock.acquire()
         except RunLocked as error:
             refusal = str(error)
-    if backend.world_size > 1:
-        refusal = backend.broadcast_object(refusal)
+    refusal = backend.broadcast_object(refusal)  # a no-op on one rank
     if refusal is not None:
         raise RunLocked(refusal if backend.is_main_process else f"rank zero refused to start the run: {refusal}")
     return lock

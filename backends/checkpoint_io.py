@@ -11,7 +11,6 @@ import hashlib
 import re
 from typing import Any
 
-import fsspec
 import torch
 
 SHARDED_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -56,6 +55,8 @@ class CheckpointIO:
 
     def write(self, path: str, obj: Any) -> None:
         """Write ``obj`` to ``path`` (a local path or fsspec URL)."""
+        import fsspec  # on first use
+
         with fsspec.open(path, "wb") as handle:
             torch.save(obj, handle)
 
@@ -66,6 +67,8 @@ class CheckpointIO:
             CorruptCheckpoint: the file is damaged.
             CheckpointRefused: the file holds what safe loading refuses.
         """
+        import fsspec  # on first use
+
         with fsspec.open(path, "rb") as handle:
             return torch.load(handle, map_location="cpu", weights_only=self.weights_only)
 
@@ -78,11 +81,14 @@ def file_digest(path: str) -> str:
     """SHA-256 of the file at ``path`` (local path or fsspec URL), as hex.
 
     Example:
+        >>> import fsspec
         >>> with fsspec.open("memory://doc-io/bytes", "wb") as handle:
         ...     _ = handle.write(b"abc")
         >>> file_digest("memory://doc-io/bytes")[:12]
         'ba7816bf8f01'
     """
+    import fsspec  # on first use
+
     digest = hashlib.sha256()
     with fsspec.open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -92,6 +98,8 @@ def file_digest(path: str) -> str:
 
 def is_sharded_checkpoint(path: str) -> bool:
     """True when ``path`` is a directory (a sharded checkpoint), False for a file."""
+    import fsspec  # on first use
+
     fs, inner = fsspec.core.url_to_fs(str(path))
     return bool(fs.isdir(inner))
 

@@ -8,11 +8,12 @@ is set from the measured step rate so that checks happen about once per refresh 
 import logging
 import sys
 import time
-from typing import Any, Dict, Optional
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from framework.callbacks.base import Callback
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class _Bar(_Display):
 
     def __init__(self, total: Optional[int], initial: int, refresh_seconds: float, desc: str, unit: str) -> None:
         super().__init__(total, initial, refresh_seconds / 2)  # checks twice per refresh: tqdm redraws on time
+        from tqdm import tqdm  # on first use: a run without a bar does not import it
+
         self.bar = tqdm(
             total=total,
             initial=initial,
@@ -178,7 +181,7 @@ class ProgressBar(Callback):
         self._evaluation: Optional[_Display] = None
 
     @property
-    def _bar(self) -> Optional[tqdm]:
+    def _bar(self) -> Optional["tqdm"]:
         """The training epoch's tqdm bar, if one is shown."""
         return self._train.bar if isinstance(self._train, _Bar) else None
 

@@ -25,17 +25,25 @@ import posixpath
 import time
 import uuid
 import zipfile
-from typing import IO, Any, Callable, List, Optional, Tuple, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
 
-import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
 from backends.checkpoint_io import CheckpointRefused as CheckpointRefused  # defined beside the strategies' IO
 from backends.checkpoint_io import CorruptCheckpoint as CorruptCheckpoint
 from framework.checkpoint import safe_types  # noqa: F401 - allows numpy and random values in user state
 
+if TYPE_CHECKING:  # imported on first use: a run that never reaches a file does not pay for fsspec
+    import fsspec
+
 logger = logging.getLogger(__name__)
+
+
+def _is_local(fs: "fsspec.AbstractFileSystem") -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
 
 TEMPORARY_SUFFIX = ".tmp"
 """Temporary files are named ``.<final name>.<random hex>.tmp``."""
@@ -64,9 +72,9 @@ class CheckpointWriteError(OSError):
     """
 
 
-def display(fs: fsspec.AbstractFileSystem, path: str) -> str:
+def display(fs: "fsspec.AbstractFileSystem", path: str) -> str:
     """How a path is named in messages: the plain path on a local disk, else its URL."""
-    return path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
+    return path if _is_local(fs) else fs.unstrip_protocol(path)
 
 
 def with_retries(operation: Callable[[], T], description: str) -> T:
@@ -91,8 +99,10 @@ def with_retries(operation: Callable[[], T], description: str) -> T:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def resolve(url: str) -> Tuple[fsspec.AbstractFileSystem, str]:
+def resolve(url: str) -> Tuple["fsspec.AbstractFileSystem", str]:
     """The filesystem and path inside it for a local path or fsspec URL."""
+    import fsspec
+
     return fsspec.core.url_to_fs(str(url))
 
 
@@ -105,7 +115,7 @@ def same_location(first: str, second: str) -> bool:
     """True when two paths or URLs name the same directory (after resolving ``..``, ``~``, protocols)."""
     fs_a, path_a = resolve(first)
     fs_b, path_b = resolve(second)
-    if isinstance(fs_a, LocalFileSystem) and isinstance(fs_b, LocalFileSystem):
+    if _is_local(fs_a) and _is_local(fs_b):
         return os.path.realpath(path_a) == os.path.realpath(path_b)
     return fs_a.unstrip_protocol(path_a.rstrip("/")) == fs_b.unstrip_protocol(path_b.rstrip("/"))
 
@@ -115,7 +125,7 @@ def temporary_name(name: str) -> str:
     return f".{name}.{uuid.uuid4().hex}{TEMPORARY_SUFFIX}"
 
 
-def write_atomically(fs: fsspec.AbstractFileSystem, path: str, obj: Any, serializer: Serializer = torch.save) -> None:
+def write_atomically(fs: "fsspec.AbstractFileSystem", path: str, obj: Any, serializer: Serializer = torch.save) -> None:
     """``serializer(obj, handle)`` to a temporary name beside ``path``, then move it into place.
 
     A crash at any point leaves either the old file or the complete new one under ``path``,
@@ -144,7 +154,7 @@ def write_atomically(fs: fsspec.AbstractFileSystem, path: str, obj: Any, seriali
         raise CheckpointWriteError(os_error.errno, f"could not write checkpoint {display(fs, path)}: {reason}") from error
 
 
-def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, obj: Any, serializer: Serializer) -> None:
+def _write_atomically(fs: "fsspec.AbstractFileSystem", path: str, obj: Any, serializer: Serializer) -> None:
     directory, name = posixpath.split(path)
     fs.makedirs(directory, exist_ok=True)
     if fs.protocol and set(_as_tuple(fs.protocol)) & _ATOMIC_UPLOAD_PROTOCOLS:
@@ -153,7 +163,7 @@ def _write_atomically(fs: fsspec.AbstractFileSystem, path: str, obj: Any, serial
         return
     temporary = join(directory, temporary_name(name))
     try:
-        if isinstance(fs, LocalFileSystem):
+        if _is_local(fs):
             with open(temporary, "wb") as handle:
                 serializer(obj, handle)
                 handle.flush()
@@ -181,7 +191,7 @@ def _os_error_in(error: BaseException) -> Optional[OSError]:
     return None
 
 
-def _remove_quietly(fs: fsspec.AbstractFileSystem, path: str) -> None:
+def _remove_quietly(fs: "fsspec.AbstractFileSystem", path: str) -> None:
     """Remove a temporary file if it is there; a failure is logged, never raised over the real error."""
     try:
         fs.rm(path)
@@ -209,10 +219,10 @@ def _fsync_directory(directory: str) -> None:
         os.close(descriptor)
 
 
-def _open_for_reading(fs: fsspec.AbstractFileSystem, path: str) -> IO[bytes]:
+def _open_for_reading(fs: "fsspec.AbstractFileSystem", path: str) -> IO[bytes]:
     """A read handle; on remote filesystems the whole file is fetched once and kept in memory,
     so checking and loading it do not download it twice."""
-    if isinstance(fs, LocalFileSystem):
+    if _is_local(fs):
         return fs.open(path, "rb")
     try:
         return fs.open(path, "rb", cache_type="all")
@@ -242,7 +252,7 @@ def _check_archive(handle: IO[bytes], size: int, name: str) -> None:
         )
 
 
-def verify(fs: fsspec.AbstractFileSystem, path: str) -> None:
+def verify(fs: "fsspec.AbstractFileSystem", path: str) -> None:
     """Check that ``path`` is a complete ``torch.save`` zip archive whose records match their CRCs.
 
     Raises:
@@ -254,7 +264,7 @@ def verify(fs: fsspec.AbstractFileSystem, path: str) -> None:
         _check_archive(handle, fs.size(path), display(fs, path))
 
 
-def read(fs: fsspec.AbstractFileSystem, path: str, weights_only: bool) -> Any:
+def read(fs: "fsspec.AbstractFileSystem", path: str, weights_only: bool) -> Any:
     """``torch.load`` a file written by :func:`write_atomically`, onto the CPU, after checking it
     like :func:`verify`.
 
@@ -271,7 +281,7 @@ def read(fs: fsspec.AbstractFileSystem, path: str, weights_only: bool) -> Any:
     return with_retries(lambda: _read_once(fs, path, name, weights_only), f"reading checkpoint {name}")
 
 
-def _read_once(fs: fsspec.AbstractFileSystem, path: str, name: str, weights_only: bool) -> Any:
+def _read_once(fs: "fsspec.AbstractFileSystem", path: str, name: str, weights_only: bool) -> Any:
     with _open_for_reading(fs, path) as handle:
         _check_archive(handle, fs.size(path), name)
         handle.seek(0)
@@ -301,13 +311,13 @@ def _refusal_detail(message: str) -> str:
     return informative[0] if informative else ""
 
 
-def list_entries(fs: fsspec.AbstractFileSystem, directory: str) -> List[str]:
+def list_entries(fs: "fsspec.AbstractFileSystem", directory: str) -> List[str]:
     """Paths of the files and directories in ``directory`` (empty when it does not exist), as
     :func:`list_files` (never cached, retried)."""
     return _list(fs, directory, ("file", "directory"))
 
 
-def list_files(fs: fsspec.AbstractFileSystem, directory: str) -> List[str]:
+def list_files(fs: "fsspec.AbstractFileSystem", directory: str) -> List[str]:
     """Paths of the plain files in ``directory`` (empty when it does not exist); never a cached listing.
 
     An ``OSError`` other than "does not exist" (EIO, permission) is retried, then raised: a
@@ -317,7 +327,7 @@ def list_files(fs: fsspec.AbstractFileSystem, directory: str) -> List[str]:
     return _list(fs, directory, ("file",))
 
 
-def _list(fs: fsspec.AbstractFileSystem, directory: str, types: Tuple[str, ...]) -> List[str]:
+def _list(fs: "fsspec.AbstractFileSystem", directory: str, types: Tuple[str, ...]) -> List[str]:
     def attempt() -> List[str]:
         fs.invalidate_cache(directory)
         try:

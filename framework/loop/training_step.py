@@ -195,7 +195,7 @@ class TrainingStep:
             if args.clip_grads or args.track_grad_norm or args.clip_grad_value is not None:
                 self.clip_gradients()
         stepped = self.backend.step_optimizers(self._optimizers, closure)
-        if stepped and self._schedules.schedulers:
+        if stepped and self._schedules.scheduled:
             try:
                 self._schedules.step_per_optimizer_step(self.progress.global_steps_finished + 1)
             except ValueError as error:

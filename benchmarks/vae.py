@@ -15,7 +15,8 @@ epoch counts given (what grows with the run), each as port / original.
     python benchmarks/vae.py [--repeats 5] [--epochs 5 10 20] [--runners original port port-no-epoch-checkpoints]
 
 ``port-no-epoch-checkpoints`` (not run by default) is the port with ``checkpointer_args.period=0``:
-the share of the default per-epoch checkpoint in the difference.
+the share of the default per-epoch checkpoint in the difference; ``port-async-checkpoints`` writes
+them in the background (``async_save=True``).
 
 Target (issue "Performance: the whole run"): the whole process at most 1.10x the original's.
 """
@@ -117,9 +118,10 @@ def original(epochs: int, output_dir: str) -> float:
     return time.perf_counter() - start
 
 
-def port(epochs: int, output_dir: str, epoch_checkpoints: bool = True) -> float:
+def port(epochs: int, output_dir: str, epoch_checkpoints: bool = True, async_save: bool = False) -> float:
     """The same model and losses as a framework module, the trainer at its defaults (``epoch_checkpoints``
-    False: no checkpoint at epoch ends, only the one at the end of training)."""
+    False: no checkpoint at epoch ends, only the one at the end of training; ``async_save``: checkpoints
+    written in the background)."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -153,6 +155,7 @@ def port(epochs: int, output_dir: str, epoch_checkpoints: bool = True) -> float:
     args = TrainerArguments(epochs=epochs, train_batch_size=BATCH, seed=1, output_dir=output_dir)
     if not epoch_checkpoints:
         args.checkpointer_args.period = 0
+    args.checkpointer_args.async_save = async_save
     trainer = Trainer(VAEModule(), args)
     start = time.perf_counter()
     trainer.train()
@@ -163,7 +166,16 @@ def port_no_epoch_checkpoints(epochs: int, output_dir: str) -> float:
     return port(epochs, output_dir, epoch_checkpoints=False)
 
 
-RUNNERS = {"original": original, "port": port, "port-no-epoch-checkpoints": port_no_epoch_checkpoints}
+def port_async_checkpoints(epochs: int, output_dir: str) -> float:
+    return port(epochs, output_dir, async_save=True)
+
+
+RUNNERS = {
+    "original": original,
+    "port": port,
+    "port-no-epoch-checkpoints": port_no_epoch_checkpoints,
+    "port-async-checkpoints": port_async_checkpoints,
+}
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from backends.batch import map_tensors
 from backends.environments import ClusterEnvironment
-from backends.options import BackendArguments, option
+from backends.options import BackendArguments, option, strategy_options
 from backends.samplers import interleave_ranks
 from backends.strategies import _NO_CONTEXT, Strategy
 
@@ -83,9 +83,7 @@ class DDP(Strategy):
         return cls(
             find_unused_parameters=option(args, "find_unused_parameters"),
             timeout_seconds=option(args, "ddp_timeout"),
-            use_gpu=option(args, "use_gpu"),
-            cluster=option(args, "cluster"),
-            compile=option(args, "compile"),
+            **strategy_options(args),
         )
 
     @property

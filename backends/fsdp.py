@@ -16,7 +16,7 @@ from backends.batch import map_tensors
 from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
 from backends.ddp import DDP
 from backends.environments import ClusterEnvironment
-from backends.options import BackendArguments, option
+from backends.options import BackendArguments, option, strategy_options
 from backends.units import module_units
 
 logger = logging.getLogger(__name__)
@@ -87,9 +87,7 @@ class FSDP(DDP):
         return cls(
             reshard_after_forward=option(args, "reshard_after_forward"),
             timeout_seconds=option(args, "ddp_timeout"),
-            use_gpu=option(args, "use_gpu"),
-            cluster=option(args, "cluster"),
-            compile=option(args, "compile"),
+            **strategy_options(args),
         )
 
     @property

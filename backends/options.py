@@ -166,3 +166,17 @@ def check_backend_options(
             name,
             ", ".join(lost),
         )
+
+
+STRATEGY_OPTIONS = ("use_gpu", "cluster", "compile")
+"""The options every strategy's constructor takes (where its processes run, on which device, compiled or not)."""
+
+
+def strategy_options(args: Optional[BackendArguments]) -> Dict[str, Any]:
+    """``use_gpu``, ``cluster`` and ``compile`` from ``args``, as keyword arguments for a strategy's constructor.
+
+    Example:
+        >>> strategy_options(None)
+        {'use_gpu': None, 'cluster': None, 'compile': False}
+    """
+    return {name: option(args, name) for name in STRATEGY_OPTIONS}

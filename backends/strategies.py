@@ -15,7 +15,7 @@ import torch
 
 from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
 from backends.environments import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
-from backends.options import BackendArguments, option
+from backends.options import BackendArguments, strategy_options
 from backends.samplers import ResumableSampler
 from backends.streams import shard_stream
 from backends.units import compile_units, module_units
@@ -107,7 +107,7 @@ class Strategy:
             >>> SingleProcess.from_arguments(SimpleNamespace(use_gpu=False, compile=True)).options
             {'use_gpu': False, 'cluster': None, 'compile': True}
         """
-        return cls(use_gpu=option(args, "use_gpu"), cluster=option(args, "cluster"), compile=option(args, "compile"))
+        return cls(**strategy_options(args))
 
     @property
     def options(self) -> Dict[str, Any]:

@@ -8,10 +8,13 @@ rank); the file-level work goes through a :class:`CheckpointIO` that the checkpo
 """
 
 import hashlib
+import os
 import re
 from typing import Any
 
 import torch
+
+from backends.local_files import local_path
 
 SHARDED_NAME = re.compile(r"^checkpoint-(\d+)$")
 """A sharded checkpoint is a directory named ``checkpoint-<step>``; a whole one a file ``checkpoint-<step>.pt``."""
@@ -98,6 +101,9 @@ def file_digest(path: str) -> str:
 
 def is_sharded_checkpoint(path: str) -> bool:
     """True when ``path`` is a directory (a sharded checkpoint), False for a file."""
+    local = local_path(str(path))
+    if local is not None:
+        return os.path.isdir(local)
     import fsspec  # on first use
 
     fs, inner = fsspec.core.url_to_fs(str(path))

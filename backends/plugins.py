@@ -1,25 +1,43 @@
 """Loading plugins that packages declare as entry points (backends, cluster environments)."""
 
 import logging
+import re
 from importlib import metadata
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-_installed: Optional[Any] = None  # every installed entry point, read once per process
+_declared: Optional[List[Tuple[metadata.Distribution, str]]] = None  # (package, its entry_points.txt), read once
+
+
+def _declaring_packages(rescan: bool) -> List[Tuple[metadata.Distribution, str]]:
+    """Every installed package that declares entry points, with the text declaring them."""
+    global _declared
+    if _declared is None or rescan:
+        texts = ((distribution, distribution.read_text("entry_points.txt")) for distribution in metadata.distributions())
+        _declared = [(distribution, text) for distribution, text in texts if text]
+    return _declared
 
 
 def installed_entry_points(group: str, rescan: bool = False) -> List[metadata.EntryPoint]:
-    """The installed entry points of ``group``. The installed packages are scanned once per process
-    (a scan reads every package's metadata: tens of milliseconds) and again with ``rescan=True``
-    (after installing a package at run time).
+    """The installed entry points of ``group``, the first package of a name winning as in
+    ``importlib.metadata.entry_points``. The installed packages are scanned once per process and
+    again with ``rescan=True`` (after installing a package at run time); only the packages that
+    name ``group`` are parsed (parsing every package's entry points costs ~100 ms at start-up).
 
     Example:
         >>> installed_entry_points("framework.no-such-group")
         []
     """
-    global _installed
-    installed = _installed if _installed is not None and not rescan else metadata.entry_points()
-    _installed = installed
-    return list(installed.select(group=group))
+    header = f"[{group}]"
+    names: Set[str] = set()
+    found: List[metadata.EntryPoint] = []
+    for distribution, text in _declaring_packages(rescan):
+        if header not in text:
+            continue
+        name = re.sub(r"[-_.]+", "-", (distribution.metadata["Name"] or "")).lower()
+        if name not in names:
+            names.add(name)
+            found.extend(distribution.entry_points.select(group=group))
+    return found
 
 
 def register_entry_points(

@@ -1,4 +1,4 @@
-"""Reading and writing checkpoint files through fsspec, atomically.
+"""Reading and writing checkpoint files through fsspec (plain local paths through ``os``), atomically.
 
 Every write goes to a temporary name beside the target and is then moved into place, so
 a reader (or a restarted run) sees either the old file or the complete new one under a
@@ -25,12 +25,13 @@ import posixpath
 import time
 import uuid
 import zipfile
-from typing import IO, TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar, cast
 
 import torch
 
 from backends.checkpoint_io import CheckpointRefused as CheckpointRefused  # defined beside the strategies' IO
 from backends.checkpoint_io import CorruptCheckpoint as CorruptCheckpoint
+from backends.local_files import LocalFiles, local_path
 from framework.checkpoint import safe_types  # noqa: F401 - allows numpy and random values in user state
 
 if TYPE_CHECKING:  # imported on first use: a run that never reaches a file does not pay for fsspec
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 
 def _is_local(fs: "fsspec.AbstractFileSystem") -> bool:
+    if isinstance(fs, LocalFiles):
+        return True
     from fsspec.implementations.local import LocalFileSystem
 
     return isinstance(fs, LocalFileSystem)
@@ -100,7 +103,11 @@ def with_retries(operation: Callable[[], T], description: str) -> T:
 
 
 def resolve(url: str) -> Tuple["fsspec.AbstractFileSystem", str]:
-    """The filesystem and path inside it for a local path or fsspec URL."""
+    """The filesystem and path inside it for a local path or fsspec URL (a plain local path is
+    served without importing fsspec: :mod:`backends.local_files`)."""
+    path = local_path(str(url))
+    if path is not None:
+        return cast("fsspec.AbstractFileSystem", LocalFiles()), path
     import fsspec
 
     return fsspec.core.url_to_fs(str(url))

@@ -10,8 +10,11 @@ raw, framework with extras off, framework at its defaults, then the peers that a
 
 Over 1, 2 and 4 epochs it fits, per runner, the seconds per step (the slope: what grows with
 the run) and the fixed cost (the intercept: imports, set-up, first-step warm-up), and prints
-each as a ratio to the raw loop's. It also times ``import torch`` against ``import framework``
-in fresh processes.
+each as a ratio to the raw loop's. The slope moves by +-15% between calls (each point carries a
+fresh process's start-up noise), so it also reports the steady seconds per step inside each
+process of the longest run: from its second epoch's start to its end (every runner marks its
+epochs' starts the same way), as a ratio of medians and as the median of per-round ratios.
+It also times ``import torch`` against ``import framework`` in fresh processes.
 
     python benchmarks/fresh_process.py [--repeats 5] [--epochs 1 2 4] [--runners raw quiet defaults fabric]
 
@@ -39,8 +42,9 @@ RUNNERS = ("raw", "quiet", "defaults", *PEERS)
 
 
 # -- the children: one training run each, in a fresh process ----------------------------------
-def _child(name: str, epochs: int, output_dir: str, hidden: int = 64) -> float:
-    """Train in this process with runner ``name`` (MLP width ``hidden``); return the training call's seconds."""
+def _child(name: str, epochs: int, output_dir: str, hidden: int = 64) -> Tuple[float, float]:
+    """Train in this process with runner ``name`` (MLP width ``hidden``); return the training
+    call's seconds and the seconds from the second epoch's start to the end (0 for one epoch)."""
     import torch
 
     torch.set_num_threads(1)
@@ -51,15 +55,20 @@ def _child(name: str, epochs: int, output_dir: str, hidden: int = 64) -> float:
     if name == "raw":
         return _raw_loop(data, epochs, hidden)
     if name in ("quiet", "defaults"):
-        from overhead import framework_loop
+        from overhead import EPOCH_STARTS, framework_loop
 
-        return framework_loop(data, epochs, "sp", output_dir, quiet=name == "quiet", hidden=hidden)
+        seconds = framework_loop(data, epochs, "sp", output_dir, quiet=name == "quiet", hidden=hidden)
+        return seconds, _since_second_epoch(EPOCH_STARTS, time.perf_counter())
     if hidden != 64:
         raise SystemExit(f"--hidden {hidden}: only raw, quiet and defaults take another width")
     return PEER_LOOPS[name](data, epochs, output_dir)
 
 
-def _raw_loop(data, epochs: int, hidden: int = 64) -> float:
+def _since_second_epoch(epoch_starts: List[float], end: float) -> float:
+    return end - epoch_starts[1] if len(epoch_starts) > 1 else 0.0
+
+
+def _raw_loop(data, epochs: int, hidden: int = 64) -> Tuple[float, float]:
     """The hand-written loop with plain torch (no framework import), timed as ``train()`` is: from
     building the optimizer, sampler and loader (the first optimizer imports ``torch._dynamo``) to
     the last step."""
@@ -76,17 +85,20 @@ def _raw_loop(data, epochs: int, hidden: int = 64) -> float:
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     sampler = ResumableSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+    epoch_starts = []
     for epoch in range(epochs):
+        epoch_starts.append(time.perf_counter())
         sampler.set_epoch(epoch)
         for x, y in loader:
             loss = F.cross_entropy(net(x), y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    return end - start, _since_second_epoch(epoch_starts, end)
 
 
-def _fabric_loop(data, epochs: int, output_dir: str) -> float:
+def _fabric_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -99,17 +111,19 @@ def _fabric_loop(data, epochs: int, output_dir: str) -> float:
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     net, optimizer = fabric.setup(net, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH, shuffle=True))
-    start = time.perf_counter()
+    start, epoch_starts = time.perf_counter(), []
     for _ in range(epochs):
+        epoch_starts.append(time.perf_counter())
         for x, y in loader:
             loss = F.cross_entropy(net(x), y)
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    return end - start, _since_second_epoch(epoch_starts, end)
 
 
-def _lightning_loop(data, epochs: int, output_dir: str) -> float:
+def _lightning_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -129,7 +143,14 @@ def _lightning_loop(data, epochs: int, output_dir: str) -> float:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
+    epoch_starts: List[float] = []
+
+    class EpochClock(L.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            epoch_starts.append(time.perf_counter())
+
     trainer = L.Trainer(
+        callbacks=[EpochClock()],
         max_epochs=epochs,
         accelerator="cpu",
         devices=1,
@@ -142,10 +163,11 @@ def _lightning_loop(data, epochs: int, output_dir: str) -> float:
     module, loader = Module(), DataLoader(data, batch_size=BATCH, shuffle=True)
     start = time.perf_counter()
     trainer.fit(module, loader)
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    return end - start, _since_second_epoch(epoch_starts, end)
 
 
-def _accelerate_loop(data, epochs: int, output_dir: str) -> float:
+def _accelerate_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
     import torch
     import torch.nn.functional as F
     from accelerate import Accelerator
@@ -157,17 +179,19 @@ def _accelerate_loop(data, epochs: int, output_dir: str) -> float:
     net = make_net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     net, optimizer, loader = accelerator.prepare(net, optimizer, DataLoader(data, batch_size=BATCH, shuffle=True))
-    start = time.perf_counter()
+    start, epoch_starts = time.perf_counter(), []
     for _ in range(epochs):
+        epoch_starts.append(time.perf_counter())
         for x, y in loader:
             loss = F.cross_entropy(net(x), y)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    return end - start, _since_second_epoch(epoch_starts, end)
 
 
-PEER_LOOPS: Dict[str, Callable[..., float]] = {
+PEER_LOOPS: Dict[str, Callable[..., Tuple[float, float]]] = {
     "fabric": _fabric_loop,
     "lightning": _lightning_loop,
     "accelerate": _accelerate_loop,
@@ -242,7 +266,8 @@ def main() -> None:
         parser.error(f"--epochs needs at least two different run lengths to fit a slope, got {options.epochs}")
     if options.child:
         with tempfile.TemporaryDirectory() as output_dir:
-            print(json.dumps({"train_seconds": _child(options.child, options.epochs[0], output_dir, options.hidden)}))
+            train_seconds, steady_seconds = _child(options.child, options.epochs[0], output_dir, options.hidden)
+            print(json.dumps({"train_seconds": train_seconds, "steady_seconds": steady_seconds}))
         return
     runners = [name for name in options.runners if name not in PEERS or importlib.util.find_spec(PEERS[name])]
     skipped = sorted(set(options.runners) - set(runners))
@@ -250,17 +275,20 @@ def main() -> None:
         print(f"not installed, left out: {', '.join(skipped)} (pip install -e '.[bench]')")
     process: Dict[Tuple[str, int], List[float]] = {}
     training: Dict[Tuple[str, int], List[float]] = {}
+    steady: Dict[Tuple[str, int], List[float]] = {}
     for _ in range(options.repeats):
         for epochs in options.epochs:
             for name in runners:
                 seconds, line = run_process([__file__, "--child", name, "--epochs", str(epochs), "--hidden", str(options.hidden)])
+                reported = json.loads(line)
                 process.setdefault((name, epochs), []).append(seconds)
-                training.setdefault((name, epochs), []).append(json.loads(line)["train_seconds"])
+                training.setdefault((name, epochs), []).append(reported["train_seconds"])
+                steady.setdefault((name, epochs), []).append(reported["steady_seconds"] / (256 * (epochs - 1) or 1))
     steps = [256 * epochs for epochs in options.epochs]
     longest = max(options.epochs)
     print(f"{options.repeats} rounds, fresh processes alternating; medians; 1 torch thread; steps per run {steps}")
     header = [("us/step", 9), ("ratio", 7), ("fixed s", 9), ("ratio", 7), ("process s", 11), ("ratio", 7)]
-    header += [("train s", 9), ("ratio", 7)]
+    header += [("train s", 9), ("ratio", 7), ("steady us/step", 16), ("ratio", 7), ("paired", 8)]
     print(f"{'runner':<11}" + "".join(f"{title:>{width}}" for title, width in header))
     reference: Dict[str, float] = {}
     for name in runners:
@@ -268,14 +296,20 @@ def main() -> None:
         slope, intercept = fit_line(steps, medians)
         whole = statistics.median(process[(name, longest)])
         train = statistics.median(training[(name, longest)])
-        figures = {"slope": slope, "intercept": intercept, "whole": whole, "train": train}
+        per_step = statistics.median(steady[(name, longest)])
+        figures = {"slope": slope, "intercept": intercept, "whole": whole, "train": train, "steady": per_step}
         reference = reference or figures
         ratios = {key: value / reference[key] if reference[key] > 0 else float("nan") for key, value in figures.items()}
+        paired = statistics.median(a / b for a, b in zip(steady[(name, longest)], steady[(runners[0], longest)]))
         print(
             f"{name:<11}{1e6 * slope:>9.1f}{ratios['slope']:>7.3f}{intercept:>9.3f}{ratios['intercept']:>7.3f}"
             f"{whole:>11.3f}{ratios['whole']:>7.3f}{train:>9.3f}{ratios['train']:>7.3f}"
+            f"{1e6 * per_step:>16.1f}{ratios['steady']:>7.3f}{paired:>8.3f}"
         )
-    print(f"(process s and train s: the {256 * longest}-step run; ratios to the first runner, {runners[0]})")
+    print(
+        f"(process s and train s: the {256 * longest}-step run; steady us/step: from its second epoch's start to its end, "
+        f"and paired: the median of the per-round ratios; ratios to the first runner, {runners[0]})"
+    )
     torch_seconds, framework_seconds = measure_imports(options.repeats)
     print(
         f"import torch {torch_seconds:.3f} s, import framework {framework_seconds:.3f} s: "

@@ -26,6 +26,7 @@ from framework import ModuleInterface, Trainer, TrainerArguments
 
 SAMPLES, FEATURES, CLASSES, BATCH = 8192, 32, 10, 32
 CLOCK = [time.perf_counter]  # --clock cpu: this thread's CPU time (robust to a busy or shared machine)
+EPOCH_STARTS: list = []  # perf_counter() at each training epoch's start (BenchmarkModule), for steady per-step figures
 
 
 def make_data() -> TensorDataset:
@@ -80,6 +81,9 @@ class BenchmarkModule(ModuleInterface):
     def train_step(self, global_step, batch, device):
         x, y = batch
         return F.cross_entropy(self.net(x), y)
+
+    def on_begin_train_epoch(self, global_step, epoch):
+        EPOCH_STARTS.append(time.perf_counter())
 
 
 def framework_loop(

@@ -48,3 +48,14 @@ def test_checkpoint_child_times_the_stall_and_the_write(mode):
     assert finished.returncode == 0, finished.stderr
     result = json_objects(finished.stdout)[-1]
     assert len(result["stall"]) == 2 and len(result["write"]) == 2 and result["bytes"] > 0
+
+
+@pytest.mark.parametrize("runner", ["raw", "quiet"])
+def test_fresh_child_reports_its_training_call_and_its_steady_part(runner):
+    """fresh_process.py's child: the steady part (second epoch's start to the end) is inside the training call."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "fresh_process.py"), "--child", runner, "--epochs", "2"]
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    result = json_objects(finished.stdout)[-1]
+    assert 0 < result["steady_seconds"] < result["train_seconds"]

@@ -296,6 +296,11 @@ class TrainerBackend:
 
     # -- checkpoints -----------------------------------------------------------------
     @property
+    def shards_parameters(self) -> bool:
+        """True when each rank holds only part of the parameters (``fsdp``)."""
+        return self.strategy.shards_parameters
+
+    @property
     def checkpoint_suffix(self) -> str:
         """``".pt"`` (one checkpoint file) or ``""`` (a directory of shards: ``fsdp``)."""
         return self.strategy.checkpoint_suffix

@@ -54,6 +54,7 @@ class FSDP(DDP):
     """
 
     name = "fsdp"
+    shards_parameters = True
     checkpoint_suffix = ""
 
     def __init__(

@@ -67,6 +67,9 @@ class Strategy:
     name = "single-process"
     multi_process = False
     """True for strategies that run one process per device (DDP); False refuses multi-process launches."""
+    shards_parameters = False
+    """True when each rank holds only part of the parameters (FSDP): whole-module work (export)
+    must gather them first or refuse."""
     checkpoint_suffix = ".pt"
     """What follows ``checkpoint-<step>`` in a checkpoint's name: ``".pt"`` for one file,
     ``""`` for a directory of shards (see :meth:`save_checkpoint`)."""

@@ -76,7 +76,7 @@ def export_program(
         raise TypeError(
             f"export(example_inputs=...) must be a tuple of forward's positional arguments, got {type(example_inputs).__name__}"
         )
-    if trainer.backend.checkpoint_suffix == "":  # a sharded strategy: each rank holds part of the weights
+    if trainer.backend.shards_parameters:  # each rank holds part of the weights
         raise NotImplementedError(
             f"export() under the sharded {trainer.backend.strategy_name} strategy: write the weights with "
             "export_weights('model.safetensors'), then load them into the module in a plain process and export there"

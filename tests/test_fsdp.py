@@ -71,6 +71,11 @@ def two_rank_scenarios(rank: int, out: str, one_rank_dir: str) -> dict:
     results["optimizer_state"] = (local_numel(optimizer_state), sum(t.numel() for t in optimizer_state))
     results["export"] = fsdp.save_model_checkpoint()
     results["checkpointer"] = type(fsdp.checkpointer).__name__
+    try:  # a program needs the whole module, which no rank holds
+        fsdp.export(os.path.join(out, "model.pt2"), (torch.zeros(2, 8, dtype=torch.long),))
+        results["program_export"] = "exported"
+    except NotImplementedError as error:
+        results["program_export"] = str(error)
 
     stopped_args = arguments("fsdp", os.path.join(out, "stopped"), max_steps=STOP_AT)
     stopped_args.checkpointer_args.async_save, stopped_args.checkpointer_args.save_every_n_steps = True, 1
@@ -139,6 +144,8 @@ def test_sharded_checkpoint_layout_and_full_weight_export(runs):
     assert max_difference(exported, rank0["fsdp"]) == 0
     inference = TinyTransformer()
     inference.load_state_dict(exported)  # a plain module takes the full weights
+    for rank in (rank0, rank1):
+        assert "export_weights('model.safetensors')" in rank["program_export"]  # the way that works is named
 
 
 @pytest.mark.distributed

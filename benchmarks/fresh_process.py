@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -98,10 +98,26 @@ def _raw_loop(data, epochs: int, hidden: int = 64) -> Tuple[float, float]:
     return end - start, _since_second_epoch(epoch_starts, end)
 
 
+def _peer_loop(net, optimizer, loader, backward: Callable[[Any], None], epochs: int) -> Tuple[float, float]:
+    """The loop a peer's user writes (Fabric, Accelerate), with the peer's ``backward``, timed
+    as :func:`_raw_loop` is from here on."""
+    import torch.nn.functional as F
+
+    start, epoch_starts = time.perf_counter(), []
+    for _ in range(epochs):
+        epoch_starts.append(time.perf_counter())
+        for x, y in loader:
+            loss = F.cross_entropy(net(x), y)
+            backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    end = time.perf_counter()
+    return end - start, _since_second_epoch(epoch_starts, end)
+
+
 def _fabric_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
     import lightning as L
     import torch
-    import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
     from overhead import BATCH, make_net
@@ -111,16 +127,7 @@ def _fabric_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     net, optimizer = fabric.setup(net, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(data, batch_size=BATCH, shuffle=True))
-    start, epoch_starts = time.perf_counter(), []
-    for _ in range(epochs):
-        epoch_starts.append(time.perf_counter())
-        for x, y in loader:
-            loss = F.cross_entropy(net(x), y)
-            fabric.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    end = time.perf_counter()
-    return end - start, _since_second_epoch(epoch_starts, end)
+    return _peer_loop(net, optimizer, loader, fabric.backward, epochs)
 
 
 def _lightning_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
@@ -169,7 +176,6 @@ def _lightning_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
 
 def _accelerate_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
     import torch
-    import torch.nn.functional as F
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
@@ -179,16 +185,7 @@ def _accelerate_loop(data, epochs: int, output_dir: str) -> Tuple[float, float]:
     net = make_net()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     net, optimizer, loader = accelerator.prepare(net, optimizer, DataLoader(data, batch_size=BATCH, shuffle=True))
-    start, epoch_starts = time.perf_counter(), []
-    for _ in range(epochs):
-        epoch_starts.append(time.perf_counter())
-        for x, y in loader:
-            loss = F.cross_entropy(net(x), y)
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    end = time.perf_counter()
-    return end - start, _since_second_epoch(epoch_starts, end)
+    return _peer_loop(net, optimizer, loader, accelerator.backward, epochs)
 
 
 PEER_LOOPS: Dict[str, Callable[..., Tuple[float, float]]] = {

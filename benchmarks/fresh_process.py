@@ -254,13 +254,15 @@ def measure_imports(repeats: int) -> Tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="rounds; every runner and epoch count once per round")
-    parser.add_argument("--epochs", type=int, nargs="+", default=[1, 2, 4], help="run lengths (256 steps per epoch)")
+    parser.add_argument(
+        "--epochs", type=int, nargs="+", default=[1, 2, 4], help="run lengths (256 steps per epoch; one length: no slope)"
+    )
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
     parser.add_argument("--hidden", type=int, default=64, help="MLP width (raw, quiet and defaults only)")
     parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
     options = parser.parse_args()
-    if not options.child and len(set(options.epochs)) < 2:
-        parser.error(f"--epochs needs at least two different run lengths to fit a slope, got {options.epochs}")
+    if not options.child and max(options.epochs) < 2:
+        parser.error(f"--epochs needs a run of 2 or more epochs (the steady part starts at the second), got {options.epochs}")
     if options.child:
         with tempfile.TemporaryDirectory() as output_dir:
             train_seconds, steady_seconds = _child(options.child, options.epochs[0], output_dir, options.hidden)
@@ -290,7 +292,7 @@ def main() -> None:
     reference: Dict[str, float] = {}
     for name in runners:
         medians = [statistics.median(process[(name, epochs)]) for epochs in options.epochs]
-        slope, intercept = fit_line(steps, medians)
+        slope, intercept = fit_line(steps, medians) if len(set(steps)) > 1 else (float("nan"), float("nan"))
         whole = statistics.median(process[(name, longest)])
         train = statistics.median(training[(name, longest)])
         per_step = statistics.median(steady[(name, longest)])

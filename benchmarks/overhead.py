@@ -26,7 +26,7 @@ from framework import ModuleInterface, Trainer, TrainerArguments
 
 SAMPLES, FEATURES, CLASSES, BATCH = 8192, 32, 10, 32
 CLOCK = [time.perf_counter]  # --clock cpu: this thread's CPU time (robust to a busy or shared machine)
-EPOCH_STARTS: list = []  # perf_counter() at each training epoch's start (BenchmarkModule), for steady per-step figures
+EPOCH_STARTS: list = []  # perf_counter() at each epoch's start of the last framework_loop run (steady per-step figures)
 
 
 def make_data() -> TensorDataset:
@@ -96,6 +96,7 @@ def framework_loop(
     hidden: int = 64,
 ) -> float:
     run_dir = tempfile.mkdtemp(dir=output_dir)  # a fresh directory per run: a run never reuses another's
+    EPOCH_STARTS.clear()  # this run's epochs only (runs alternate in one process)
     args = TrainerArguments(
         epochs=epochs, train_batch_size=BATCH, backend=backend, seed=0, output_dir=run_dir, use_gpu=False, profiler=profiler
     )

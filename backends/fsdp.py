@@ -115,6 +115,7 @@ class FSDP(DDP):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        broadcast_from_rank_zero(module)  # every rank then shards rank zero's weights, as DDP starts from them
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32 if self.param_dtype else None)
         for unit in reversed(units):  # inner units before the blocks that contain them
@@ -209,6 +210,23 @@ class FSDP(DDP):
                 "framework.checkpoint.load_weights"
             )
         return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed)
+
+
+def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
+    """Give every rank rank zero's parameters and buffers, in place (collective).
+
+    ``fully_shard`` keeps each rank's own slice of its own tensors: ranks that initialised
+    differently (seeded by rank, or not at all) would train a mix of their weights.
+
+    Example:
+        >>> broadcast_from_rank_zero(torch.nn.Linear(2, 2))  # one process: nothing to do
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            data = torch.view_as_real(tensor.data) if tensor.is_complex() else tensor.data
+            dist.broadcast(data, src=0)
 
 
 @contextlib.contextmanager

@@ -1,12 +1,33 @@
-"""The conformance kit: every feature against a backend, on 1 and 2 ranks, compared with ``sp``.
+"""The conformance matrix: features x model shapes x backends, each cell compared with ``sp``.
 
-    python -m framework.conformance BACKEND [--import MODULE] [--checks automatic,manual]
+    python -m framework.conformance BACKEND [--import MODULE] [--all] [--features a,b] [--models x,y]
 
-See ``docs/backends.md``. :func:`conformance` returns the rows; :func:`format_table` prints them.
+See ``docs/backends.md``. Features and model shapes register themselves
+(:func:`register_feature`, :func:`register_model`); backends are every registered one.
+:func:`conformance` returns the rows; :func:`format_table` prints them.
 """
 
-from framework.conformance.checks import CHECKS
+from framework.conformance import features_evaluation, features_resume, features_training, zoo  # noqa: F401  (register)
 from framework.conformance.compare import Row
+from framework.conformance.matrix import KNOWN_SEAMS, all_cells, covering, quick_cells
+from framework.conformance.registry import FEATURES, MODELS, Feature, register_feature, register_model
 from framework.conformance.runner import conformance, format_table
 
-__all__ = ["CHECKS", "Row", "conformance", "format_table"]
+CHECKS = {name: feature.run for name, feature in FEATURES.items()}
+"""Deprecated: the features' run functions by name (use :data:`FEATURES`)."""
+
+__all__ = [
+    "CHECKS",
+    "FEATURES",
+    "KNOWN_SEAMS",
+    "MODELS",
+    "Feature",
+    "Row",
+    "all_cells",
+    "conformance",
+    "covering",
+    "format_table",
+    "quick_cells",
+    "register_feature",
+    "register_model",
+]

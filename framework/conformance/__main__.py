@@ -1,12 +1,18 @@
-"""``python -m framework.conformance BACKEND [--import MODULE]``: print the table; exit 0 only
-when every check passes or is declared unsupported by the backend."""
+"""``python -m framework.conformance BACKEND [--import MODULE] [--all]``: print the table of
+cells; exit 0 only when no cell fails (a cell the backend declares unsupported must be refused
+before step 1; a known seam is reported, not failed)."""
 
 import argparse
 import sys
 from typing import List, Optional
 
-from framework.conformance.checks import CHECKS
-from framework.conformance.runner import conformance, format_table
+from framework.conformance.matrix import all_cells, quick_cells
+from framework.conformance.registry import FEATURES, MODELS
+from framework.conformance.runner import _renamed, conformance, format_table
+
+
+def _names(text: Optional[str]) -> Optional[List[str]]:
+    return [name.strip() for name in text.split(",") if name.strip()] if text else None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -20,16 +26,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         metavar="MODULE",
         help="import MODULE (a module name or a .py file) first, so the backend it registers can be named; repeatable",
     )
-    parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of: {', '.join(CHECKS)}")
+    parser.add_argument("--all", action="store_true", help="every feature with every model (default: the quick subset)")
+    parser.add_argument("--features", default=None, help=f"comma-separated subset of: {', '.join(FEATURES)}")
+    parser.add_argument("--models", default=None, help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--checks", default=None, help="deprecated: --features (older names are translated)")
     parser.add_argument("--ranks", default="1,2", help="world sizes to run, e.g. 1,2 (default) or 2")
     parser.add_argument("--workdir", default=None, help="where runs write (default: a new temporary directory)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the multi-rank run may take")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the multi-rank run may take")
     options = parser.parse_args(argv)
+    features = _names(options.features) or (_renamed(_names(options.checks) or []) or None)
+    models = _names(options.models)
+    cells = all_cells(features, models) if options.all else quick_cells(features, models)
     rows = conformance(
         options.backend,
         imports=options.imports,
         world_sizes=[int(size) for size in options.ranks.split(",")],
-        names=[name.strip() for name in options.checks.split(",") if name.strip()],
+        cells=cells,
         workdir=options.workdir,
         timeout=options.timeout,
     )

@@ -1,10 +1,11 @@
-"""The tiny modules the conformance checks train (a few hundred parameters, CPU-fast).
+"""The base module every conformance cell trains (a few hundred parameters, CPU-fast).
 
 Every module draws its data from a fixed generator, so every rank (and the ``sp`` reference)
-builds the same dataset; the framework's sampler then splits it.
+builds the same dataset; the framework's sampler then splits it. The model shapes of the zoo
+(``framework/conformance/zoo.py``) subclass :class:`KitNet` and change only :meth:`KitNet.body`.
 """
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from framework.module import ModuleInterface
 
 FEATURES = 6
+WIDTH = 8
 
 
 def make_data(samples: int, seed: int) -> TensorDataset:
@@ -58,6 +60,10 @@ class KitNet(ModuleInterface):
         nan_at_step: from this optimizer step on, the loss is NaN.
         loader: ``"sampler"`` (the framework's), ``"workers"`` (augmentation in 2 loader
             workers) or ``"stream"`` (an ``IterableDataset`` read by 2 workers).
+        manual: manual optimization with two optimizers (the body clipped, then the head on
+            detached features).
+        fits: the largest micro-batch whose ``train_step`` "fits in memory" (a larger one
+            raises ``torch.OutOfMemoryError``, for ``gpu_batch_size_limit="auto"``).
 
     Example:
         >>> net = KitNet(samples=8)
@@ -65,29 +71,61 @@ class KitNet(ModuleInterface):
         torch.Size([2, 1])
     """
 
-    def __init__(self, samples: int = 64, nan_at_step: Optional[int] = None, loader: str = "sampler") -> None:
+    expected_units = 2
+    """How many blocks the model has: each should be a sharding (and compile, checkpointing) unit."""
+    ranks: Tuple[int, ...] = (1, 2)
+    """World sizes on which this shape trains as ``sp`` does (a shape that computes per rank, such
+    as batch norm's batch statistics, is compared on 1 rank only)."""
+
+    def __init__(
+        self,
+        samples: int = 64,
+        nan_at_step: Optional[int] = None,
+        loader: str = "sampler",
+        manual: bool = False,
+        fits: Optional[int] = None,
+    ) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(FEATURES, 8), torch.nn.Linear(8, 8)])
-        self.head = torch.nn.Linear(8, 1)
+        self.build()
+        self.head = torch.nn.Linear(WIDTH, 1)
         self.train_data = make_data(samples, seed=1)
         self.val_data = make_data(21, seed=2)  # odd: ranks get uneven shares and batches
         self.nan_at_step = nan_at_step
         self.loader = loader
+        self.fits = fits
+        if manual:
+            self.automatic_optimization = False
         self.compute_dtypes: List[str] = []
         self.seen: List[int] = []
         self.val_order: List[int] = []
         self.setup_saw: List[int] = []
 
+    def build(self) -> None:
+        """Create the body's submodules (the zoo's shapes override it and :meth:`body`)."""
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(FEATURES, WIDTH), torch.nn.Linear(WIDTH, WIDTH)])
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        """Features of width ``WIDTH`` for the head."""
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+    def invariants(self) -> List[Tuple[str, bool, str]]:
+        """What must hold of this shape after training, whatever the backend: (label, holds, figure)."""
+        return []
+
     def setup(self) -> None:
         self.setup_saw = [self.global_rank, self.world_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return self.head(x)
+        return self.head(self.body(x))
 
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Any:
-        return [torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)], []
+        if self.automatic_optimization:
+            return [torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)], []
+        head = {id(parameter) for parameter in self.head.parameters()}
+        body = [parameter for parameter in self.parameters() if id(parameter) not in head]
+        return [torch.optim.SGD(body, lr=0.2, momentum=0.9), torch.optim.Adam(self.head.parameters(), lr=0.01)], []
 
     def get_train_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
         if self.loader == "stream":
@@ -108,6 +146,10 @@ class KitNet(ModuleInterface):
 
     def train_step(self, global_step: int, batch: Any, device: torch.device) -> torch.Tensor:
         x, y, index = batch
+        if self.fits is not None and len(x) > self.fits:
+            raise torch.OutOfMemoryError(f"a micro-batch of {len(x)} does not fit (at most {self.fits})")
+        if not self.automatic_optimization:
+            return self._manual_step(x, y)
         prediction = self(x)
         if len(self.compute_dtypes) < 1:
             self.compute_dtypes.append(str(prediction.dtype).replace("torch.", ""))
@@ -116,6 +158,20 @@ class KitNet(ModuleInterface):
         if self.nan_at_step is not None and global_step >= self.nan_at_step:
             loss = loss * float("nan")
         return loss
+
+    def _manual_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        body, head = self.optimizers()
+        loss = F.mse_loss(self.head(self.body(x)).float(), y)
+        self.manual_backward(loss)
+        self.clip_gradients(body, max_norm=0.5)
+        body.step()
+        body.zero_grad()
+        head.zero_grad()
+        head_loss = F.mse_loss(self.head(self.body(x).detach()).float(), y)
+        self.manual_backward(head_loss)
+        head.step()
+        head.zero_grad()
+        return loss.detach()
 
     def val_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
         x, y, index = batch
@@ -132,34 +188,20 @@ class KitNet(ModuleInterface):
 
 
 class KitTwoOptimizers(KitNet):
-    """Manual optimization with two optimizers: the body (clipped) then the head on detached features."""
+    """Manual optimization with two optimizers (kept for code that named it; ``KitNet(manual=True)``)."""
 
     automatic_optimization = False
 
-    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Any:
-        body = torch.optim.SGD(self.blocks.parameters(), lr=0.2, momentum=0.9)
-        head = torch.optim.Adam(self.head.parameters(), lr=0.01)
-        return [body, head], []
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return x
-
-    def train_step(self, global_step: int, batch: Any, device: torch.device) -> torch.Tensor:
-        x, y, _ = batch
-        body, head = self.optimizers()
-        loss = F.mse_loss(self.head(self.features(x)).float(), y)
-        self.manual_backward(loss)
-        self.clip_gradients(body, max_norm=0.5)
-        body.step()
-        body.zero_grad()
-        head.zero_grad()
-        head_loss = F.mse_loss(self.head(self.features(x).detach()).float(), y)
-        self.manual_backward(head_loss)
-        head.step()
-        head.zero_grad()
-        return loss.detach()
+def flat(state: Dict[str, Any]) -> List[float]:
+    """Every tensor of ``state`` (sorted by name) as one list of floats (complex as real pairs)."""
+    parts = []
+    for name in sorted(state):
+        tensor = state[name].detach().cpu()
+        if tensor.is_complex():
+            tensor = torch.view_as_real(tensor)
+        parts.append(tensor.double().reshape(-1))
+    return torch.cat(parts).tolist() if parts else []
 
 
 def full_parameters(trainer: Any) -> List[float]:
@@ -167,3 +209,8 @@ def full_parameters(trainer: Any) -> List[float]:
     named: Dict[str, Any] = dict(trainer.module.named_parameters())
     full = trainer.backend.unsharded(named)
     return torch.cat([tensor.detach().float().reshape(-1).cpu() for tensor in full.values()]).tolist()
+
+
+def full_state(trainer: Any) -> List[float]:
+    """The module's whole ``state_dict`` (parameters and buffers, gathered: collective), flat."""
+    return flat(trainer.backend.unsharded(dict(trainer.module.state_dict())))

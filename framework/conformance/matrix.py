@@ -1,0 +1,142 @@
+"""Which cells of the matrix run: the quick subset, everything, or a covering design over
+backends for the test suite; and the known seams (cells expected to fail until a fix lands).
+
+A cell is (feature, model) on a backend at a world size. ``--all`` runs every feature with every
+model it takes; the default (quick) subset runs the quick features with the quick models, and
+``automatic`` with every model. :func:`covering` spreads cells over several backends so that
+every pair (feature, model), (feature, backend) and (model, backend) is covered at least once
+(a greedy pairwise design with a fixed seed: the same cells every time).
+"""
+
+import fnmatch
+import random
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from framework.conformance.registry import FEATURES, MODELS, QUICK_MODELS
+
+Cell = Tuple[str, str]
+"""(feature, model)."""
+
+_TRAINED = "automatic|accumulation|clipping|manual|auto_micro_batch|activation_checkpointing|compile"
+"""The features that check the shape's own invariants (units, buffer dtypes) after training."""
+
+KNOWN_SEAMS: List[Tuple[str, str, str, str]] = [
+    (
+        "ema",
+        "*",
+        "*",
+        "issue 31, branch seams-eval: validate/test(checkpoint='best'|'last') with EMA evaluate the final "
+        "in-memory average, not the checkpoint's; under fsdp EMA fails (mixed torch.Tensor and DTensor)",
+    ),
+    (
+        "evaluate_checkpoints",
+        "*",
+        "fsdp*@2",
+        "issue 31, branch seams-eval: validate/predict(checkpoint=...) after an fsdp run: mixed torch.Tensor and DTensor",
+    ),
+    (
+        "auto_micro_batch",
+        "*",
+        "fsdp*@2",
+        "issue 31, branch seams-eval: gpu_batch_size_limit='auto' under fsdp trains other weights than the same "
+        "micro-batch given by hand",
+    ),
+    (
+        _TRAINED,
+        "moduledict",
+        "*",
+        "issue 31, branch seams-shapes: blocks in an nn.ModuleDict are not found as sharding units",
+    ),
+    (
+        _TRAINED,
+        "complex",
+        "*-bf16",
+        "issue 31, branch seams-shapes: true bf16 casts the complex64 freqs_cis buffer to bf16 (its real part)",
+    ),
+]
+"""Cells known to fail on today's main, each with the issue that tracks the fix:
+(feature pattern, model pattern, backend pattern, reason); ``fnmatch`` patterns, alternatives
+separated by ``|``, and a backend pattern may end in ``@2`` to match only the multi-rank run.
+The kit reports such a cell as KNOWN while it fails and FIXED once it passes (the test suite
+then fails until the entry is removed)."""
+
+
+def _matches(name: str, patterns: str) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns.split("|"))
+
+
+def known_seam(feature: str, model: str, backend: str, ranks: int) -> Optional[str]:
+    """The reason a cell is a known seam, or None.
+
+    Example:
+        >>> known_seam("automatic", "moduledict", "ddp", 2).startswith("issue 31")
+        True
+        >>> known_seam("automatic", "mlp", "ddp", 2) is None
+        True
+    """
+    for feature_pattern, model_pattern, backend_pattern, reason in KNOWN_SEAMS:
+        names, _, only = backend_pattern.partition("@")
+        if only and int(only) != ranks:
+            continue
+        if _matches(feature, feature_pattern) and _matches(model, model_pattern) and _matches(backend, names):
+            return reason
+    return None
+
+
+def models_of(feature: str) -> List[str]:
+    """The zoo models ``feature`` runs with."""
+    wanted = FEATURES[feature].models
+    return [model for model in MODELS if wanted is None or model in wanted]
+
+
+def all_cells(features: Optional[Sequence[str]] = None, models: Optional[Sequence[str]] = None) -> List[Cell]:
+    """Every feature (or those named) with every model it takes (or those named)."""
+    chosen = _checked(features, FEATURES, "feature")
+    shapes = _checked(models, MODELS, "model")
+    return [(feature, model) for feature in chosen for model in models_of(feature) if model in shapes]
+
+
+def quick_cells(features: Optional[Sequence[str]] = None, models: Optional[Sequence[str]] = None) -> List[Cell]:
+    """The default subset: quick features with quick models, and ``automatic`` with every model."""
+    cells = [
+        cell
+        for cell in all_cells(features, models)
+        if (FEATURES[cell[0]].quick and QUICK_MODELS.get(cell[1])) or cell[0] == "automatic"
+    ]
+    if cells or not (features or models):
+        return cells
+    return all_cells(features, models)  # named explicitly: run them even when not quick
+
+
+def covering(backends: Sequence[str], seed: int = 0) -> Dict[str, List[Cell]]:
+    """Cells per backend such that every (feature, model), (feature, backend) and (model,
+    backend) pair is covered at least once: greedy, each step the candidate covering most new
+    pairs (ties broken by a ``random.Random(seed)`` shuffle, so the design is fixed)."""
+    candidates = [(feature, model, backend) for feature, model in all_cells() for backend in backends]
+    uncovered: Set[Tuple[str, str, str]] = set()
+    for feature, model, backend in candidates:
+        uncovered |= {("fm", feature, model), ("fb", feature, backend), ("mb", model, backend)}
+    generator = random.Random(seed)
+    generator.shuffle(candidates)
+    chosen: Dict[str, List[Cell]] = {backend: [] for backend in backends}
+    while uncovered:
+        best = max(candidates, key=lambda c: len(_pairs(c) & uncovered))
+        uncovered -= _pairs(best)
+        candidates.remove(best)
+        chosen[best[2]].append((best[0], best[1]))
+    order = {feature: index for index, feature in enumerate(FEATURES)}
+    return {backend: sorted(cells, key=lambda cell: (order[cell[0]], cell[1])) for backend, cells in chosen.items()}
+
+
+def _pairs(candidate: Tuple[str, str, str]) -> Set[Tuple[str, str, str]]:
+    feature, model, backend = candidate
+    return {("fm", feature, model), ("fb", feature, backend), ("mb", model, backend)}
+
+
+def _checked(names: Optional[Sequence[str]], known: Mapping[str, object], what: str) -> List[str]:
+    if not names:
+        return list(known)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {unknown}; allowed: {', '.join(known)}")
+    return list(names)

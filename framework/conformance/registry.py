@@ -1,0 +1,122 @@
+"""What the conformance matrix is made of: features and model shapes, each registered by name.
+
+A feature joins the matrix by decorating the function that runs it::
+
+    @register_feature("ema", compare=("state", "averaged"))
+    def ema(context, model): ...        # returns observations (plain data) for the judge
+
+and a model shape by decorating its class (a :class:`~framework.conformance.models.KitNet`
+subclass)::
+
+    @register_model("batchnorm")
+    class WithBatchNorm(KitNet): ...
+
+Backends join by being registered (``backends.register_backend``, entry points): the kit asks
+``backends.available_backends()``. Nobody adds a test for a new cell.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple, Type, TypeVar
+
+Observations = Dict[str, Any]
+F = TypeVar("F", bound=Callable[..., Observations])
+M = TypeVar("M", bound=type)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One row family of the matrix: a way of training (or evaluating) that every backend must
+    compute as ``sp`` does.
+
+    Attributes:
+        name: the feature's name (``--features`` takes it).
+        run: ``run(context, model)`` trains on one rank and returns observations (plain data).
+        compare: observation keys compared with the reference backend's (``sp``, or ``sp`` with
+            the same precision) within the cell's tolerance; the ranks must agree bitwise.
+        exact: keys that must equal the reference's exactly.
+        resumed: keys compared with this backend's own ``"uninterrupted"`` run (resume tolerance).
+        models: the zoo models it runs with (None: every registered one).
+        quick: in the default (quick) subset of ``python -m framework.conformance``.
+        ranks: world sizes it runs on (``(2,)``: only where ranks can differ; ``(1, 2)``: both).
+        description: one line for the docs' table.
+    """
+
+    name: str
+    run: Callable[..., Observations]
+    compare: Tuple[str, ...] = ("state",)
+    exact: Tuple[str, ...] = ()
+    resumed: Tuple[str, ...] = ()
+    models: Optional[Tuple[str, ...]] = None
+    quick: bool = False
+    ranks: Tuple[int, ...] = (1, 2)
+    description: str = ""
+
+
+FEATURES: Dict[str, Feature] = {}
+"""Every registered feature by name, in registration order."""
+MODELS: Dict[str, Type[Any]] = {}
+"""Every registered model shape by name (``"mlp"`` first: the one every feature runs with)."""
+QUICK_MODELS: Dict[str, bool] = {}
+
+
+def register_feature(
+    name: str,
+    *,
+    compare: Tuple[str, ...] = ("state",),
+    exact: Tuple[str, ...] = (),
+    resumed: Tuple[str, ...] = (),
+    models: Optional[Tuple[str, ...]] = None,
+    quick: bool = False,
+    ranks: Tuple[int, ...] = (1, 2),
+) -> Callable[[F], F]:
+    """Register ``run(context, model) -> observations`` as the feature ``name`` (a decorator).
+
+    Example:
+        >>> @register_feature("doc-example", compare=(), exact=("answer",), models=("mlp",))
+        ... def answer(context, model):
+        ...     return {"answer": 42}
+        >>> FEATURES["doc-example"].exact
+        ('answer',)
+        >>> del FEATURES["doc-example"]
+    """
+    if not name or not isinstance(name, str):
+        raise ValueError(f"feature name must be a non-empty string, got {name!r}")
+
+    def decorator(run: F) -> F:
+        if name in FEATURES and FEATURES[name].run is not run:
+            raise ValueError(f"conformance feature {name!r} is already registered")
+        description = (run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else name
+        FEATURES[name] = Feature(name, run, compare, exact, resumed, models, quick, ranks, description)
+        return run
+
+    return decorator
+
+
+def register_model(name: str, *, quick: bool = False) -> Callable[[M], M]:
+    """Register a model shape (a ``KitNet`` subclass) as ``name`` (a decorator).
+
+    Example:
+        >>> from framework.conformance.models import KitNet
+        >>> @register_model("doc-shape")
+        ... class DocShape(KitNet):
+        ...     pass
+        >>> MODELS["doc-shape"] is DocShape
+        True
+        >>> del MODELS["doc-shape"]
+    """
+
+    def decorator(cls: M) -> M:
+        if name in MODELS and MODELS[name] is not cls:
+            raise ValueError(f"conformance model {name!r} is already registered")
+        MODELS[name] = cls
+        QUICK_MODELS[name] = quick
+        return cls
+
+    return decorator
+
+
+def build_model(name: str, **options: Any) -> Any:
+    """A new instance of the zoo model ``name`` with ``options`` (see ``KitNet``)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown conformance model {name!r}; registered: {', '.join(MODELS)}")
+    return MODELS[name](**options)

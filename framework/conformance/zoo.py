@@ -1,0 +1,131 @@
+"""The model shapes real users have, as conformance models: each cell of the matrix trains one.
+
+Every shape keeps :class:`~framework.conformance.models.KitNet`'s data, steps and head and
+changes only the body: buffers (float, integer, complex), tied and frozen weights, batch norm,
+blocks in an ``nn.ModuleDict``, and an initialisation that differs on every rank. A new shape
+joins the matrix with ``@register_model("name")``.
+"""
+
+import math
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from framework.conformance.models import FEATURES, WIDTH, KitNet
+from framework.conformance.registry import register_model
+
+register_model("mlp", quick=True)(KitNet)
+
+
+@register_model("buffers", quick=True)
+class WithBuffers(KitNet):
+    """A rotary cos/sin cache (float buffers of several elements) and a permutation (an integer buffer)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    order: torch.Tensor
+
+    def build(self) -> None:
+        super().build()
+        angles = torch.arange(WIDTH, dtype=torch.float32) / WIDTH * math.pi
+        self.register_buffer("cos", torch.cos(angles))
+        self.register_buffer("sin", torch.sin(angles))
+        self.register_buffer("order", torch.arange(WIDTH - 1, -1, -1))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.blocks[0](x))
+        h = h * self.cos.to(h.dtype) + h[:, self.order] * self.sin.to(h.dtype)
+        return torch.tanh(self.blocks[1](h))
+
+
+@register_model("complex")
+class WithComplexBuffer(KitNet):
+    """A rotary table ``freqs_cis`` (complex64), applied as in torchtitan's llama."""
+
+    freqs_cis: torch.Tensor
+
+    def build(self) -> None:
+        super().build()
+        angles = torch.arange(WIDTH // 2, dtype=torch.float32) + 0.5
+        self.register_buffer("freqs_cis", torch.polar(torch.ones(WIDTH // 2), angles))
+
+    def invariants(self) -> List[Tuple[str, bool, str]]:
+        kind = self.freqs_cis.dtype
+        return [("complex buffer", kind.is_complex, f"freqs_cis is {str(kind).replace('torch.', '')} after training")]
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.blocks[0](x))
+        rotated = torch.view_as_complex(h.float().reshape(len(h), WIDTH // 2, 2)) * self.freqs_cis
+        h = torch.view_as_real(rotated).reshape(len(h), WIDTH).to(h.dtype)
+        return torch.tanh(self.blocks[1](h))
+
+
+@register_model("tied")
+class WithTiedWeights(KitNet):
+    """Two projections outside the blocks sharing one weight (as a language model ties its
+    embedding and output), the blocks between them."""
+
+    def build(self) -> None:
+        super().build()
+        self.project_in = torch.nn.Linear(WIDTH, WIDTH)
+        self.project_out = torch.nn.Linear(WIDTH, WIDTH)
+        self.project_out.weight = self.project_in.weight
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.project_in(torch.tanh(self.blocks[0](x))))
+        return torch.tanh(self.project_out(torch.tanh(self.blocks[1](h))))
+
+
+@register_model("frozen")
+class WithFrozenParameters(KitNet):
+    """The first block frozen (``requires_grad=False``), as in fine-tuning."""
+
+    def build(self) -> None:
+        super().build()
+        self.blocks[0].requires_grad_(False)
+
+
+@register_model("batchnorm")
+class WithBatchNorm(KitNet):
+    """A ``BatchNorm1d`` inside the first block (running statistics: float and integer buffers).
+
+    Compared on 1 rank only: data-parallel batch norm normalises each rank's micro-batch (and
+    keeps each rank's running statistics), so on several ranks it computes something else than
+    ``sp`` by design; ``nn.SyncBatchNorm`` is the model-side answer.
+    """
+
+    ranks = (1,)
+
+    def build(self) -> None:
+        norm = torch.nn.Sequential(torch.nn.Linear(FEATURES, WIDTH), torch.nn.BatchNorm1d(WIDTH))
+        self.blocks = torch.nn.ModuleList([norm, torch.nn.Linear(WIDTH, WIDTH)])
+
+
+@register_model("moduledict")
+class WithModuleDict(KitNet):
+    """Blocks kept in an ``nn.ModuleDict`` (as torchtitan keeps its layers)."""
+
+    def build(self) -> None:
+        self.blocks = torch.nn.ModuleDict(  # type: ignore[assignment]
+            {"0": torch.nn.Linear(FEATURES, WIDTH), "1": torch.nn.Linear(WIDTH, WIDTH)}
+        )
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():  # type: ignore[operator]
+            x = torch.tanh(block(x))
+        return x
+
+
+@register_model("per_rank_init")
+class PerRankInit(KitNet):
+    """Initialised from the rank (as a program that seeds by rank, or not at all): only a
+    backend that starts every rank from rank zero's weights trains as ``sp``."""
+
+    def build(self) -> None:
+        super().build()
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        generator = torch.Generator().manual_seed(1234 + 7919 * rank)
+        with torch.no_grad():
+            for parameter in self.blocks.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)

@@ -150,7 +150,7 @@ def test_the_command_prints_the_table_and_exits_1_naming_the_failing_cell(tmp_pa
             "--ranks",
             "2",
             "--features",
-            "automatic,evaluate",
+            "automatic,streams",
             "--models",
             "mlp",
             "--workdir",
@@ -164,7 +164,7 @@ def test_the_command_prints_the_table_and_exits_1_naming_the_failing_cell(tmp_pa
     )
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if "/" in line.split(" ")[0]}
-    assert "FAIL" in rows["automatic/mlp"] and "PASS" in rows["evaluate/mlp"], result.stdout
+    assert "FAIL" in rows["automatic/mlp"] and "PASS" in rows["streams/mlp"], result.stdout
     assert "FAILED: automatic/mlp (2 ranks)" in result.stdout
 
 

@@ -97,15 +97,28 @@ def all_cells(features: Optional[Sequence[str]] = None, models: Optional[Sequenc
 
 
 def quick_cells(features: Optional[Sequence[str]] = None, models: Optional[Sequence[str]] = None) -> List[Cell]:
-    """The default subset: quick features with quick models, and ``automatic`` with every model."""
-    cells = [
-        cell
-        for cell in all_cells(features, models)
-        if (FEATURES[cell[0]].quick and QUICK_MODELS.get(cell[1])) or cell[0] == "automatic"
-    ]
-    if cells or not (features or models):
-        return cells
-    return all_cells(features, models)  # named explicitly: run them even when not quick
+    """The default subset: the quick features (or those named) with the quick shapes (or those
+    named), and ``automatic`` with every shape.
+
+    Example:
+        >>> ("automatic", "per_rank_init") in quick_cells() and ("ema", "buffers") in quick_cells()
+        True
+        >>> quick_cells(["streams"])
+        [('streams', 'mlp')]
+    """
+    chosen = _checked(features, FEATURES, "feature") if features else [name for name in FEATURES if FEATURES[name].quick]
+    named = _checked(models, MODELS, "model") if models else None
+    cells: List[Cell] = []
+    for feature in chosen:
+        takes = models_of(feature)
+        if named is not None:
+            shapes = [model for model in takes if model in named]
+        elif feature == "automatic":
+            shapes = takes
+        else:
+            shapes = [model for model in takes if QUICK_MODELS.get(model)] or takes[:1]
+        cells += [(feature, model) for model in shapes]
+    return cells
 
 
 def covering(backends: Sequence[str], seed: int = 0) -> Dict[str, List[Cell]]:

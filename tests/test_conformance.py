@@ -14,7 +14,7 @@ from typing import ClassVar, Dict
 
 import pytest
 
-from backends import SingleProcess, TrainerBackend, register_backend
+from backends import SingleProcess, TrainerBackend, build_backend, register_backend
 from backends.registry import unregister_backend
 from framework.conformance import FEATURES, KNOWN_SEAMS, MODELS, conformance, format_table, register_feature
 from framework.conformance.matrix import covering
@@ -72,13 +72,13 @@ def test_the_suite_design_covers_every_pair_and_joins_new_features_and_backends(
         unregister_backend("sp-joins")
 
 
-BACKENDS = ["sp", "sp-amp", "sp-bf16", "ddp", "ddp-amp", "ddp-bf16", "fsdp", "fsdp-amp", "fsdp-bf16"]
+def _marked(name):
+    """A backend as a test parameter: marked distributed when it runs on several ranks."""
+    return pytest.param(name, marks=[pytest.mark.distributed] if build_backend(name).multi_process else [])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "backend", [pytest.param(name, marks=[pytest.mark.distributed] if not name.startswith("sp") else []) for name in BACKENDS]
-)
+@pytest.mark.parametrize("backend", [_marked(name) for name in built_in_backends()])  # a new built-in joins here
 def test_built_in_backends_pass_their_cells_of_the_matrix(backend, reference_cache, workdir):
     cells = suite_design()[backend]
     rows = run_backend(backend, cells, workdir, reference_cache)

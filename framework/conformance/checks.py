@@ -11,7 +11,7 @@ import functools
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,8 @@ import torch.distributed as dist
 from backends import build_backend
 from framework.callbacks import Callback
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.conformance.registry import FEATURES, MODELS, build_model
+from framework.conformance.matrix import Cell
+from framework.conformance.registry import FEATURES, build_model
 from framework.data.rng import seed_everything
 from framework.loop.trainer import Trainer
 from framework.run.arguments import TrainerArguments
@@ -28,9 +29,6 @@ RANK_SEED_STRIDE = 1000
 """Each rank seeds its generators with ``seed + RANK_SEED_STRIDE * rank`` before it builds its
 module, as ranks of a real program differ: a backend must start every rank from rank zero's
 weights (the ``sp`` reference is built as rank zero builds it)."""
-
-Cell = Tuple[str, str]
-"""(feature, model)."""
 
 
 @dataclass
@@ -171,11 +169,6 @@ def run_cells(context: Context, cells: Sequence[Cell]) -> Dict[str, Any]:
         except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
             observed[cell_key(feature, model)] = {"error": described(error)}
     return observed
-
-
-def known_models() -> List[str]:
-    """Every registered model shape (importing the zoo registers them)."""
-    return list(MODELS)
 
 
 def find_unused(context: Context) -> Dict[str, Any]:

@@ -1,6 +1,8 @@
 """Train the digits classifier: ``python examples/run.py [--config FILE] [--section.field VALUE]``.
 
-Without ``--config`` it reads ``examples/digits.yaml``.
+Without ``--config`` it reads ``examples/digits.yaml``. Run it again and the new run trains in
+``outputs/digits/version_1`` (then ``version_2``, ...); ``--checkpointer.resume auto`` continues the
+run in ``outputs/digits`` instead.
 
 Under torchrun: ``torchrun --nproc_per_node=2 examples/run.py --backend ddp``.
 """
@@ -13,6 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from digits import DigitsArguments, DigitsClassifier
 
 from framework import Trainer, parse_config, seed_everything
+from framework.checkpoint import RunDirectoryInUse
+from framework.run.run_lock import RunLocked
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.yaml")
 
@@ -35,4 +39,7 @@ def main(argv=None) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (RunDirectoryInUse, RunLocked) as error:  # another run's directory: one line that says the ways on, exit 1
+        sys.exit(f"examples/run.py: error: {error}")

@@ -97,6 +97,23 @@ def resolved_config(args: TrainerArguments) -> RunConfig:
     return RunConfig({"trainer": args, "checkpointer": args.checkpointer_args})
 
 
+def own_copy(args: TrainerArguments) -> TrainerArguments:
+    """A copy of ``args`` the trainer may change (its ``output_dir`` moves to ``version_<N>``), still
+    saved with the user's own config sections.
+
+    Example:
+        >>> config = parse_config(argv=["--trainer.epochs", "3"])
+        >>> copy = own_copy(config.trainer)
+        >>> copy is not config.trainer, resolved_config(copy).trainer is copy
+        (True, True)
+    """
+    copy = dataclasses.replace(args)
+    config = args.run_config
+    if config is not None and config.sections.get("trainer") is args:
+        copy.run_config = RunConfig({**config.sections, "trainer": copy})
+    return copy
+
+
 def parse_config(
     sections: Optional[Mapping[str, Type]] = None,
     argv: Optional[Sequence[str]] = None,
@@ -163,22 +180,46 @@ def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
     config_path, overrides = _split_arguments(argv)
     values: Dict[str, Dict[str, Any]] = {name: {} for name in classes}
     fields = _field_index(classes)
+    given: List[Tuple[str, Any, str, bool]] = []  # (key, value, source, from_text), in order
     if config_path is not None:
-        for key, value in _flatten(_load_yaml(config_path), config_path).items():
-            _assign(values, fields, key, value, source=config_path, from_text=False)
-    for key, text in overrides:
-        _assign(values, fields, key, text, source="command line", from_text=True)
+        given += [(key, value, config_path, False) for key, value in _flatten(_load_yaml(config_path), config_path).items()]
+    given += [(key, text, "command line", True) for key, text in overrides]
+    errors: List[str] = []  # every mistake at once, not only the first
+    for key, value, source, from_text in given:
+        try:
+            _assign(values, fields, key, value, source=source, from_text=from_text)
+        except ConfigError as error:
+            errors.append(str(error))
+    backend_source = next((source for key, _, source, _ in reversed(given) if key == "trainer.backend"), None)
+    if backend_source is not None and "backend" in values["trainer"]:
+        errors.extend(_unknown_backend(values["trainer"]["backend"], backend_source))
     built = {}
     for name, cls in classes.items():
+        if errors:
+            break
         try:
             built[name] = cls(**values[name])
         except (TypeError, ValueError) as error:
-            raise ConfigError(f"section {name!r}: {error}") from error
+            errors.append(f"section {name!r}: {error}")
+    if errors:
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{len(errors)} config errors:\n  " + "\n  ".join(errors))
     trainer = built["trainer"]
     trainer.checkpointer_args = built["checkpointer"]
     config = RunConfig(built)
     trainer.run_config = config  # lets the trainer save every section
     return config
+
+
+def _unknown_backend(name: Any, source: str) -> List[str]:
+    """The error for a backend name no backend is registered under (with the closest name), or none."""
+    from backends import available_backends
+
+    known = available_backends()
+    if not isinstance(name, str) or name in known:
+        return []
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return [f"trainer.backend={name!r} (from {source}): unknown backend; {hint}available backends: {', '.join(known)}"]
 
 
 def _split_arguments(argv: List[str]) -> Tuple[Optional[str], List[Tuple[str, Any]]]:

@@ -106,7 +106,13 @@ class TrainerSetup:
         loader = self._create_train_loader()
         if self.wrapped_module is None:
             if args.activation_checkpointing:  # before the strategy compiles and shards the units
-                checkpoint_units(self.module)
+                units = checkpoint_units(self.module)
+                kinds = sorted({type(unit).__name__ for unit in units})
+                logger.info(
+                    "activation checkpointing: %d units (%s) recompute their activations in backward",
+                    len(units),
+                    ", ".join(kinds),
+                )
             self.wrapped_module = self.backend.wrap_module(self._runner)
         if not self.optimizers:
             self._build_optimizers()

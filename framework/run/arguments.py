@@ -134,6 +134,9 @@ class TrainerArguments(_CarriesRunConfig):
     loggers: List[Union[str, Logger]] = field(default_factory=lambda: ["csv"])
     """Where metrics go on rank zero: names (``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or one from the
     ``framework.loggers`` entry points) or Logger instances; CLI ``--trainer.loggers '[csv,mlflow]'``."""
+    plot_metrics: Optional[bool] = None
+    """Draw ``<output_dir>/metrics.png`` from metrics.csv when training ends (losses on a log axis); None: where
+    matplotlib is installed, unless the environment sets ``FRAMEWORK_PLOT_METRICS=0``."""
     tensorboard: bool = False
     """Also write TensorBoard events to ``<output_dir>/tensorboard`` (the same as adding ``"tensorboard"`` to loggers)."""
     preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"

@@ -28,7 +28,8 @@ def main(argv=None) -> float:
         argv = ["--config", DEFAULT_CONFIG, *argv]
     config = parse_config({"model": DigitsArguments}, argv=argv, program="examples/run.py", exit_on_error=on_command_line)
     seed_everything(config.trainer.seed)  # before the model is built, so its initial weights repeat
-    trainer = Trainer(module=DigitsClassifier(config.model), args=config.trainer)
+    module = config.build_module(default=lambda: DigitsClassifier(config.model))  # or from model: class_path
+    trainer = Trainer(module=module, args=config.trainer)
     history = trainer.train()
     accuracy = history.latest("val_accuracy")
     if accuracy is None:  # stopped before any validation (e.g. --trainer.max_steps 3): measure the final weights

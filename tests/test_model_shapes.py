@@ -11,9 +11,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from titan_transformer import TitanTransformer, hand_written_true_bf16
 
 from distributed import run_ranks
+from titan_transformer import TitanTransformer, hand_written_true_bf16
 
 from backends.units import default_units
 from framework import Trainer, TrainerArguments

@@ -11,9 +11,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from logs import captured_log
 
 from distributed import run_ranks
 from titan_transformer import TitanTransformer, hand_written_true_bf16
+from toy import ToyModule
 
 from backends.units import default_units
 from framework import Trainer, TrainerArguments
@@ -76,6 +78,11 @@ def scenarios(rank: int, out: str) -> dict:
         trainer.train()
         results[backend] = trained_state(trainer)
         results[f"{backend} units"] = [name for name, sub in trainer.module.named_modules() if isinstance(sub, FSDPModule)]
+    with captured_log("backends") as messages:  # a model without blocks: one unit, and a message saying so
+        args = arguments("fsdp", os.path.join(out, "no-units"), world_size=2)
+        args.max_steps = 1
+        Trainer(ToyModule(n_train=16, val_loaders=0), args).train()
+    results["no units"] = list(messages)
     dist.destroy_process_group()
     return results
 
@@ -101,7 +108,13 @@ def test_ddp_bf16_and_fsdp_bf16_keep_the_complex_buffer_and_equal_the_hand_writt
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_shards_each_block_of_a_module_dict_as_its_own_unit_and_trains_as_sp(two_rank_runs, tmp_path):
-    first, _ = two_rank_runs
+    first, second = two_rank_runs
+    assert [message for message in first["no units"] if "no sharding units" in message] == [
+        "fsdp: ToyModule has no sharding units (sharding_units() returned none and it holds no nn.ModuleList or "
+        "nn.ModuleDict blocks), so the whole model is one unit: every rank all-gathers all its parameters at once; "
+        "define sharding_units() to return the blocks to shard one by one"
+    ]
+    assert not second["no units"]  # rank zero logs
     assert first["fsdp units"] == ["layers.0", "layers.1"]  # each block (the root unit is the step runner around it)
     sp = Trainer(TitanTransformer(), arguments("sp", str(tmp_path), world_size=2))
     sp.train()

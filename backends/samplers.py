@@ -22,9 +22,9 @@ class ResumableSampler(Sampler[int]):
 
     ``state_dict()`` is where it stands: the epoch and how many of this rank's indices of it
     were handed out, counted while iterating. A loader that checkpoints its sampler, such as
-    torchdata's ``StatefulDataLoader``, resumes from there with ``load_state_dict()``. A loop
-    that has called ``set_epoch`` for another epoch than a loaded state's keeps its epoch and
-    starts it from the first index (an epoch-end state does not replay its epoch).
+    torchdata's ``StatefulDataLoader``, resumes from there with ``load_state_dict()``. A state
+    of an earlier epoch than the one ``set_epoch`` selected does not move the sampler back: that
+    epoch starts from its first index (an epoch-end state does not replay its epoch).
 
     Example:
         >>> sampler = ResumableSampler(range(10), shuffle=True, seed=0)
@@ -119,9 +119,10 @@ class ResumableSampler(Sampler[int]):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Continue where :meth:`state_dict` was taken: its epoch, from the next index. A state of
-        another epoch than the one ``set_epoch`` selected leaves that epoch, from its start."""
+        an earlier epoch than the one ``set_epoch`` selected (an epoch that has ended) leaves the
+        selected epoch, from its start."""
         epoch, position = int(state["epoch"]), int(state["skip"])
-        if self._epoch_set and epoch != self.epoch:
+        if self._epoch_set and epoch < self.epoch:
             position, epoch = 0, self.epoch
         self.epoch, self.skip, self.position = epoch, position, position
 

@@ -61,6 +61,7 @@ def test_sp_bf16_keeps_a_complex_buffer_and_equals_a_hand_written_true_bf16_loop
 
 def test_blocks_in_a_module_dict_or_list_are_units():
     model = TitanTransformer(depth=3)
+    model.metrics = torch.nn.ModuleDict({"relu": torch.nn.ReLU()})  # no parameters: not a unit
     assert default_units(model) == list(model.layers.values())
     nested = torch.nn.ModuleList([model])
     assert default_units(nested) == [model, *model.layers.values()]

@@ -5,8 +5,7 @@ Each run is ``tests/resume_script.py --pipeline NAME`` in a fresh process (2 epo
 micro-batches of 4 accumulated in pairs, a checkpoint every 3 steps), killed once (twice for
 ``stateful-sampler``: also right after the first epoch-end checkpoint) and run again; the
 uninterrupted reference runs in this process. The killed runs of all pipelines run side by side,
-then their resumes. The framework's sampler in a plain ``DataLoader`` is ``test_resume.py``'s
-pipeline (the script's default).
+then their resumes (``test_resume.py`` kills the script's default pipeline, ``sampler``, at more points).
 """
 
 import os
@@ -26,6 +25,7 @@ ARGUMENTS = ["--epochs", "2", "--n-train", "64", "--batch", "8", "--micro", "4",
 MID_EPOCH = ("mb:1:9", 12)  # killed after micro-batch 9 of epoch 1 (step 13 not taken): resumes at step 12
 EPOCH_END = ("begin:1", 8)  # killed right after the first epoch-end checkpoint
 CASES: Dict[str, Tuple[List[Tuple[str, int]], str]] = {  # pipeline: (kill points and resume steps, what it proves)
+    "sampler": ([MID_EPOCH], "the framework's sampler in a plain DataLoader"),
     "stateful-sampler": ([EPOCH_END, MID_EPOCH], "torchdata's StatefulDataLoader with the framework's sampler"),
     "stateful-shuffle": ([MID_EPOCH], "StatefulDataLoader(shuffle=True)"),
     "workers": ([MID_EPOCH], "2 workers, torch.randn augmentation in __getitem__"),

@@ -38,9 +38,9 @@ cuda_args = functools.partial(toy_args, use_gpu=True)
 """``toy_args`` on the GPU: ``use_gpu=True`` makes a missing device an error instead of a CPU run."""
 
 
-def cpu_args(directory: Any, **overrides: Any) -> Any:
+def cpu_args(directory: Any, checkpoints: Any = None, **overrides: Any) -> Any:
     """The same run on the CPU (the reference a GPU run is compared with)."""
-    return toy_args(directory, **{**overrides, "use_gpu": False})
+    return toy_args(directory, checkpoints, **{**overrides, "use_gpu": False})
 
 
 def max_difference(first: torch.Tensor, second: torch.Tensor) -> float:

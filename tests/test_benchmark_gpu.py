@@ -1,5 +1,5 @@
 """``benchmarks/gpu.py`` where there is no GPU: ``--help``, the refusal, and its pure parts (the GPT's
-FLOPs per token against torch's FLOP counter, the peak table, MFU), plus its framework and
+FLOPs per token against torch's FLOP counter, MFU; the peak table is ``test_gpu_peaks.py``'s), plus its framework and
 hand-written runs on a tiny GPT on the CPU (so the first GPU run does not fail on a typo)."""
 
 import doctest
@@ -57,31 +57,13 @@ def test_flops_per_token_is_what_torch_counts_in_forward_and_backward(config):
     assert counter.get_total_flops() == config.flops_per_token * tokens.numel()
 
 
-def test_peak_lookup_prefers_the_specific_part_and_the_flag():
-    assert gpu_flops.known_gpu("NVIDIA H100 80GB HBM3")[0] == "H100 SXM"
-    assert gpu_flops.known_gpu("NVIDIA H100 PCIe")[0] == "H100 PCIe"
-    assert gpu_flops.known_gpu("NVIDIA H200")[0] == "H200 SXM"
-    assert [gpu_flops.known_gpu(name)[0] for name in ("NVIDIA L4", "NVIDIA L40S", "NVIDIA A10", "NVIDIA A10G")] == [
-        "L4",
-        "L40S",
-        "A10",
-        "A10G",
-    ]
-    assert gpu_flops.known_gpu("NVIDIA GeForce RTX 4090")[0] == "RTX 4090"
-    assert gpu_flops.peak_tflops("NVIDIA A100-SXM4-40GB", "bf16") == 312.0
-    assert gpu_flops.peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores
-    assert gpu_flops.peak_tflops("NVIDIA A100-SXM4-40GB", "bf16", given=250.0) == 250.0
-    with pytest.raises(ValueError, match=r"dtype='int8' is not known; allowed: fp32, tf32, bf16, fp16"):
-        gpu_flops.peak_tflops("NVIDIA H100", "int8")
-    with pytest.raises(ValueError, match=r"--peak-tflops -1.0 is invalid"):
-        gpu_flops.peak_tflops("NVIDIA H100", "bf16", given=-1.0)
-
-
-def test_mfu_is_achieved_over_peak():
+def test_mfu_is_achieved_over_peak_and_the_flag_overrides_the_table():
     flops_per_token = gpu_flops.gpt_flops_per_token(layers=12, width=768, sequence=1024, vocab=50304)
     assert gpu_flops.achieved_tflops(100_000, flops_per_token) == pytest.approx(85.4654976)
     assert gpu_flops.mfu(100_000, flops_per_token, 989.4) == pytest.approx(85.4654976 / 989.4)
     assert gpu_flops.mfu(100_000, flops_per_token, None) is None
+    assert gpu.peak_dtype("sp", None, tf32=True) == "tf32" and gpu.peak_dtype("sp-amp", "bfloat16", tf32=False) == "bf16"
+    assert gpu_flops.peak_tflops("NVIDIA A100-SXM4-40GB", "bf16", given=250.0) == 250.0
 
 
 @pytest.mark.parametrize("module", [gpu_flops, gpu])

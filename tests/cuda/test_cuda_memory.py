@@ -5,6 +5,8 @@ saving measured with ``torch.cuda.max_memory_allocated``. The CPU counterparts a
 ``test_activation_checkpointing.py`` (bytes kept for backward)."""
 
 import gc
+import glob
+import json
 import os
 
 import pytest
@@ -17,6 +19,7 @@ from toy import ToyModule, flat_parameters
 
 from backends.activation_checkpointing import checkpoint_units
 from framework import Trainer
+from framework.callbacks.throughput import known_peak_flops
 from framework.checkpoint import DefaultCheckpointerArguments
 from framework.checkpoint.staging import StagingBuffers
 
@@ -132,3 +135,32 @@ def test_training_with_activation_checkpointing_on_gpu_ends_with_the_same_weight
         trainer.train()
         weights[on] = flat_parameters(trainer.module)
     assert (weights[True] - weights[False]).abs().max().item() <= (1e-5 if backend == "sp" else 1e-3)
+
+
+class CountedFlops(ToyModule):
+    @property
+    def flops_per_sample(self) -> float:
+        return 6.0 * sum(p.numel() for p in self.parameters())
+
+
+def test_profilers_on_gpu_report_peak_memory_mfu_against_the_known_peak_and_cuda_kernels(tmp_path):
+    """``profiler="torch"`` (with ``Throughput``) on a GPU: the CPU test's figures plus what only CUDA has."""
+    args = cuda_args(tmp_path, profiler="torch", train_batch_size=32, log_every_n_steps=2)  # 8 steps
+    module = CountedFlops()
+    trainer = Trainer(module, args)
+    trainer.train()
+    history = trainer.history
+    peaks, samples = history.values("peak_memory_gib"), history.values("samples_per_second")
+    assert len(peaks) == len(samples) == 4
+    assert all(0 < peak <= torch.cuda.max_memory_allocated() / 2**30 for peak in peaks)
+    peak_flops = known_peak_flops(trainer.device)
+    if peak_flops is None:  # a GPU the table does not know: no MFU unless Throughput(peak_flops=...) is given
+        assert history.values("mfu") == []
+    else:
+        expected = [rate * module.flops_per_sample / peak_flops for rate in samples]
+        assert history.values("mfu") == pytest.approx(expected, rel=1e-6)
+    traces = glob.glob(os.path.join(args.output_dir, "profiler", "rank0*.pt.trace.json"))
+    assert len(traces) == 1
+    with open(traces[0]) as handle:
+        events = json.load(handle)["traceEvents"]
+    assert any(event.get("cat") == "kernel" for event in events)  # the GPU's own kernels, not only CPU operators

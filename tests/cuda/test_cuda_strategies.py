@@ -58,13 +58,17 @@ def test_compile_on_gpu_matches_eager(tmp_path, backend):
     assert max_difference(weights[False], weights[True]) <= (1e-3 if backend == "sp" else 5e-2)  # AdamW amplifies rounding
 
 
-def test_fsdp_on_one_gpu_trains_as_sp(tmp_path):
-    sp = Trainer(TinyTransformer(), gpu_args(tmp_path / "sp", "sp"))
+@pytest.mark.parametrize("fsdp_backend, sp_backend", [("fsdp", "sp"), ("fsdp-amp", "sp-amp")])
+def test_fsdp_on_one_gpu_trains_as_sp(tmp_path, fsdp_backend, sp_backend):
+    if fsdp_backend == "fsdp-amp" and not torch.cuda.is_bf16_supported():
+        pytest.skip(f"fsdp-amp computes in bf16, which {torch.cuda.get_device_name()} lacks")
+    dtype = "bfloat16" if sp_backend == "sp-amp" else None  # fsdp-amp's default on CUDA too
+    sp = Trainer(TinyTransformer(), gpu_args(tmp_path / "sp", sp_backend, amp_dtype=dtype))
     sp.train()
-    fsdp = Trainer(TinyTransformer(), gpu_args(tmp_path / "fsdp", "fsdp"))
+    fsdp = Trainer(TinyTransformer(), gpu_args(tmp_path / "fsdp", fsdp_backend))
     fsdp.train()
     assert fsdp.global_steps_finished == sp.global_steps_finished == STEPS
-    assert max_difference(full_weights(fsdp), full_weights(sp)) <= 1e-5
+    assert max_difference(full_weights(fsdp), full_weights(sp)) <= 1e-5  # one process: nothing is sharded
 
 
 def nccl_ranks(rank: int, out: str) -> dict:

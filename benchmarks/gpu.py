@@ -12,7 +12,7 @@ after ``--warmup`` steps (compilation happens there). The hand-written loop does
 autocast with a GradScaler for fp16, bf16 weights for ``*-bf16``, ``DistributedDataParallel`` or FSDP2
 ``fully_shard`` of the blocks and root for ``ddp*``/``fsdp*``, each block compiled for compile.
 MFU counts model FLOPs (``gpu_flops.gpt_flops_per_token``) against the dtype's dense peak of the GPU
-(``gpu_flops.KNOWN_GPUS``, or ``--peak-tflops``). Record the figures in docs/benchmarks.md, "GPU".
+(``framework/callbacks/gpu_peaks.py``, or ``--peak-tflops``). Record the figures in docs/benchmarks.md, "GPU".
 """
 
 import argparse

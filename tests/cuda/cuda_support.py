@@ -42,7 +42,3 @@ def cpu_args(directory: Any, checkpoints: Any = None, **overrides: Any) -> Any:
     """The same run on the CPU (the reference a GPU run is compared with)."""
     return toy_args(directory, checkpoints, **{**overrides, "use_gpu": False})
 
-
-def max_difference(first: torch.Tensor, second: torch.Tensor) -> float:
-    """Largest absolute difference of two tensors (compared on the CPU, in fp32)."""
-    return (first.detach().float().cpu() - second.detach().float().cpu()).abs().max().item()

@@ -41,4 +41,3 @@ cuda_args = functools.partial(toy_args, use_gpu=True)
 def cpu_args(directory: Any, checkpoints: Any = None, **overrides: Any) -> Any:
     """The same run on the CPU (the reference a GPU run is compared with)."""
     return toy_args(directory, checkpoints, **{**overrides, "use_gpu": False})
-

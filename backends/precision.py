@@ -12,6 +12,8 @@ from backends.batch import map_tensors
 from backends.options import BackendArguments, option
 from backends.stateful import refuse_renamed_state_methods
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: a forward in full precision enters nothing
+
 P = TypeVar("P", bound="Precision")
 
 _AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,7 +71,7 @@ class Precision:
 
     def forward_context(self) -> ContextManager:
         """The context that train, val and test forwards run in."""
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate ``loss`` (already divided by the accumulation length); ``args`` and

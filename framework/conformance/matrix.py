@@ -17,9 +17,6 @@ from framework.conformance.registry import FEATURES, MODELS, QUICK_MODELS
 Cell = Tuple[str, str]
 """(feature, model)."""
 
-_TRAINED = "automatic|accumulation|clipping|manual|auto_micro_batch|activation_checkpointing|compile"
-"""The features that check the shape's own invariants (units, buffer dtypes) after training."""
-
 KNOWN_SEAMS: List[Tuple[str, str, str, str]] = [
     (
         "ema",
@@ -41,18 +38,6 @@ KNOWN_SEAMS: List[Tuple[str, str, str, str]] = [
         "issue 31, branch seams-eval: gpu_batch_size_limit='auto' under fsdp trains other weights than the same "
         "micro-batch given by hand",
     ),
-    (
-        _TRAINED,
-        "moduledict",
-        "*",
-        "issue 31, branch seams-shapes: blocks in an nn.ModuleDict are not found as sharding units",
-    ),
-    (
-        _TRAINED,
-        "complex",
-        "*-bf16",
-        "issue 31, branch seams-shapes: true bf16 casts the complex64 freqs_cis buffer to bf16 (its real part)",
-    ),
 ]
 """Cells known to fail on today's main, each with the issue that tracks the fix:
 (feature pattern, model pattern, backend pattern, reason); ``fnmatch`` patterns, alternatives
@@ -69,9 +54,9 @@ def known_seam(feature: str, model: str, backend: str, ranks: int) -> Optional[s
     """The reason a cell is a known seam, or None.
 
     Example:
-        >>> known_seam("automatic", "moduledict", "ddp", 2).startswith("issue 31")
+        >>> known_seam("auto_micro_batch", "mlp", "fsdp-amp", 2).startswith("issue 31")
         True
-        >>> known_seam("automatic", "mlp", "ddp", 2) is None
+        >>> known_seam("auto_micro_batch", "mlp", "fsdp", 1) is None  # one rank: nothing is sharded
         True
     """
     for feature_pattern, model_pattern, backend_pattern, reason in KNOWN_SEAMS:

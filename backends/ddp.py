@@ -220,7 +220,8 @@ class DDP(Strategy):
     def gather_in_dataset_order(self, outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
         if not self.distributed:
             return outputs
-        return interleave_ranks(self.all_gather_object(map_tensors(outputs, torch.Tensor.cpu)))
+        gathered = self.all_gather_object(map_tensors(outputs, torch.Tensor.cpu))
+        return interleave_ranks([gathered[rank] for rank in self.data_parallel_representatives()])
 
     def preemption_agreed(self, signal_pending: bool, global_step: int) -> bool:
         """Agree on one stop step without a collective while no signal is pending.

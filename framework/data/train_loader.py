@@ -43,14 +43,17 @@ class TrainLoader:
         sampler = RecordingSampler(backend.sampler_factory(shuffle=True, seed=args.seed))
         loader = module.get_train_dataloader(sampler, micro_batch_size)
         checks.check_train_dataloader(loader)
-        warn_if_loader_ignores_plan(loader, sampler, micro_batch_size, backend.world_size, accumulation)
+        warn_if_loader_ignores_plan(loader, sampler, micro_batch_size, backend.data_parallel_size, accumulation)
         self.loader = backend.prepare_loader(loader)
         try:
             length: Optional[int] = len(self.loader)
         except TypeError:
             length = None
         self.length = None if length is None else backend.min_over_ranks(length)
-        warn_about_stream_shares(self.loader, backend.world_size, backend.all_gather_object)
+        representatives = backend.data_parallel_representatives()
+        warn_about_stream_shares(  # one entry per share of the data (tensor-parallel peers read the same)
+            self.loader, backend.data_parallel_size, lambda obj: [backend.all_gather_object(obj)[r] for r in representatives]
+        )
         checks.check_train_loader_not_empty(self.loader, self.length, micro_batch_size)
         self.position = LoaderPosition(self.loader)
         self.seeding = LoaderSeeding(self.loader, args.seed)

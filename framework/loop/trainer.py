@@ -97,7 +97,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         try:
             configure_logging(args.log_level, self.backend.is_main_process)
             self.train_step_batch_size, self.gradient_accumulation = micro_batch_plan(
-                args.train_batch_size, self.backend.world_size, args.gpu_batch_size_limit
+                args.train_batch_size, self.backend.data_parallel_size, args.gpu_batch_size_limit
             )
             self.automatic_optimization = checks.check_optimization_mode(module, args, self.gradient_accumulation)
             self.loggers = LoggerSet(build_loggers(args), active=self.backend.is_main_process and not args.fast_dev_run)
@@ -145,6 +145,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         except BaseException:
             self.backend.teardown()
             raise
+        self.backend.check_module(module)  # e.g. model-parallel: a module without a tensor-parallel plan
         self.backend.convert_module(module.to(self.device))  # true bf16: cast before any step
 
     # -- properties ---------------------------------------------------------------------

@@ -168,7 +168,7 @@ class TrainerSetup:
     def _use_micro_batch(self, size: int, why: str) -> None:
         """``gpu_batch_size_limit="auto"``: train with micro-batches of ``size``, accumulating the
         rest of the batch (the global batch does not change), from a train loader of that size."""
-        plan = micro_batch_plan(self.args.train_batch_size, self.backend.world_size, size)
+        plan = micro_batch_plan(self.args.train_batch_size, self.backend.data_parallel_size, size)
         if plan != (self.train_step_batch_size, self.gradient_accumulation):
             self.train_step_batch_size, self.gradient_accumulation = plan
             self.train_loader = None
@@ -180,7 +180,7 @@ class TrainerSetup:
     def _use_saved_micro_batch(self, saved: Any) -> None:
         """Adopt the micro-batch a checkpoint was trained with, unless it does not divide this run's
         per-process batch (another world size): then the search runs again."""
-        per_process = self.args.train_batch_size // self.backend.world_size
+        per_process = self.args.train_batch_size // self.backend.data_parallel_size
         if isinstance(saved, int) and 0 < saved <= per_process and per_process % saved == 0:
             self._use_micro_batch(saved, "from the checkpoint")
 

@@ -233,7 +233,7 @@ def test_2x2_checkpoint_resumes_as_4x1_1x2_and_one_process(runs):
 @pytest.mark.slow
 def test_export_is_full_weights_predictions_in_dataset_order_and_state_is_split(runs):
     _, _, grid, _, _ = runs
-    exported = torch.load(grid[0]["export"].removeprefix("file://"), weights_only=True)
+    exported = torch.load(grid[0]["export"].removeprefix("file://"), weights_only=True)["model"]
     plain = TinyLlama(CONFIG)
     plain.load_state_dict(exported)  # a plain single-process model takes them
     assert max_difference(dict(plain.state_dict()), grid[0]["grid"]["weights"]) == 0

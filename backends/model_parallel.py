@@ -16,8 +16,8 @@ import logging
 from typing import Any, Dict, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 
+from backends.ddp import reduce_over
 from backends.environments import ClusterEnvironment
 from backends.fsdp import FSDP
 from backends.options import BackendArguments, option, strategy_options
@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_PARALLELIZE_MARK = "_applies_tensor_parallel_plan"
 """Set on a ``parallelize`` method that only applies ``tensor_parallel_plan()`` (the framework's
 default): such a module needs a plan."""
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def custom_parallelize(module: torch.nn.Module) -> bool:
@@ -234,15 +232,7 @@ class ModelParallel(FSDP):
         """Reduced over the ranks of this rank's ``dp`` axis (one per share of the data)."""
         if self.device_mesh is None or self.tensor_parallel_size == 1:
             return self.all_reduce(tensor, op)
-        result = tensor.clone()
-        group = self.device_mesh.get_group("dp")
-        if op == "mean":
-            dist.all_reduce(result, op=dist.ReduceOp.SUM, group=group)
-            return result / self.data_parallel_size
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"reduce op {op!r} is not supported; allowed: {['mean', *_REDUCE_OPS]}")
-        dist.all_reduce(result, op=_REDUCE_OPS[op], group=group)
-        return result
+        return reduce_over(tensor, op, self.data_parallel_size, self.device_mesh.get_group("dp"))
 
     def teardown(self) -> None:
         self.device_mesh = None

@@ -57,6 +57,24 @@ class RecordingLlama(TinyLlama):
         return batch[1]
 
 
+class ManualLlama(RecordingLlama):
+    """Manual optimization: backward, clip (over the plan's DTensors and the plain rest), step."""
+
+    automatic_optimization = False
+
+    def train_step(self, global_step, batch, device):
+        optimizer = self.optimizers()
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        self.norms.append(float(self.clip_gradients(optimizer, max_norm=0.2)))
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    def setup(self) -> None:
+        self.norms = []
+
+
 class PlanlessModule(ModuleInterface):
     def __init__(self) -> None:
         super().__init__()
@@ -121,6 +139,13 @@ def summary(trainer: Trainer) -> dict:
     }
 
 
+def manual_run(out: str, **overrides) -> dict:
+    args = arguments(out, gpu_batch_size_limit=None, epochs=1, clip_grads=False, track_grad_norm=False, **overrides)
+    trainer = Trainer(ManualLlama(), args)
+    trainer.train()
+    return {"weights": full_weights(trainer), "norms": trainer.module.norms}
+
+
 def grid_scenarios(rank: int, out: str) -> dict:
     """2x2: a bad tensor_parallel_size, the full run, a run stopped mid-epoch, and its resume as 4x1."""
     dist.init_process_group("gloo")
@@ -143,6 +168,7 @@ def grid_scenarios(rank: int, out: str) -> dict:
     resumed = Trainer(RecordingLlama(), resumed_from(stopped, os.path.join(out, "as-4x1"), tensor_parallel_size=1))
     resumed.train()
     results["as_4x1"] = summary(resumed)
+    results["manual"] = manual_run(os.path.join(out, "manual"), tensor_parallel_size=2)
     dist.destroy_process_group()
     return results
 
@@ -165,11 +191,12 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("model-parallel"))
     reference = Trainer(RecordingLlama(), arguments(os.path.join(out, "sp"), backend="sp"))
     reference.train()
+    manual = manual_run(os.path.join(out, "sp-manual"), backend="sp")
     grid = run_ranks(grid_scenarios, world_size=4, out=out, timeout=400)
     pair = run_ranks(pair_scenarios, world_size=2, out=out, timeout=300)
     one = Trainer(RecordingLlama(), resumed_from(os.path.join(out, "stopped"), os.path.join(out, "as-1")))
     one.train()  # model-parallel on one process: the plan is not applied, the checkpoint read whole
-    return out, summary(reference), grid, pair, summary(one)
+    return out, summary(reference), grid, pair, summary(one), manual
 
 
 def step_losses(ranks) -> dict:
@@ -189,7 +216,7 @@ def max_difference(first: dict, second: dict) -> float:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_2x2_and_1x2_match_sp_per_step_and_in_final_weights(runs):
-    _, sp, grid, pair, _ = runs
+    _, sp, grid, pair, _, _ = runs
     reference = step_losses([sp])
     assert len(reference) == EPOCHS * SAMPLES // BATCH
     for name, ranks, representatives in (("2x2", [r["grid"] for r in grid], (0, 2)), ("1x2", [r["pair"] for r in pair], (0,))):
@@ -206,7 +233,7 @@ def test_2x2_and_1x2_match_sp_per_step_and_in_final_weights(runs):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tp_peers_read_identical_batches_and_dp_ranks_disjoint_shares_of_the_dataset(runs):
-    _, _, grid, _, _ = runs
+    _, _, grid, _, _, _ = runs
     seen = [result["grid"]["seen"] for result in grid]
     assert [result["grid"]["data_parallel"] for result in grid] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert seen[0] == seen[1] and seen[2] == seen[3]
@@ -221,7 +248,7 @@ def test_tp_peers_read_identical_batches_and_dp_ranks_disjoint_shares_of_the_dat
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_2x2_checkpoint_resumes_as_4x1_1x2_and_one_process(runs):
-    _, _, grid, pair, one = runs
+    _, _, grid, pair, one, _ = runs
     expected = grid[0]["grid"]["weights"]
     for name, result in (("4x1", grid[0]["as_4x1"]), ("1x2", pair[0]["as_1x2"]), ("one process", one)):
         assert result["step"] == EPOCHS * SAMPLES // BATCH, name
@@ -232,7 +259,7 @@ def test_2x2_checkpoint_resumes_as_4x1_1x2_and_one_process(runs):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_export_is_full_weights_predictions_in_dataset_order_and_state_is_split(runs):
-    _, _, grid, _, _ = runs
+    _, _, grid, _, _, _ = runs
     exported = torch.load(grid[0]["export"].removeprefix("file://"), weights_only=True)["model"]
     plain = TinyLlama(CONFIG)
     plain.load_state_dict(exported)  # a plain single-process model takes them
@@ -252,3 +279,15 @@ def test_bad_tensor_parallel_size_and_a_module_without_plan_are_refused_by_name(
         Trainer(PlanlessModule(), TrainerArguments(backend="fsdp", tensor_parallel_size=2, output_dir=str(tmp_path)))
     with pytest.raises(ValueError, match=r"neither tensor_parallel_plan\(\).*nor parallelize\(tp_mesh\)"):
         Trainer(PlanlessModule(), TrainerArguments(backend="model-parallel", output_dir=str(tmp_path)))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_manual_optimization_clips_over_the_2x2_mesh_as_sp_does(runs):
+    *_, sp_manual = runs
+    _, _, grid, _, _, _ = runs
+    for result in grid:
+        manual = result["manual"]
+        assert manual["norms"] == pytest.approx(sp_manual["norms"], rel=1e-4)
+        assert min(manual["norms"]) > 0.2  # clipping bit at every step
+        assert max_difference(manual["weights"], sp_manual["weights"]) <= TOLERANCE

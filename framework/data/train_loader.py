@@ -2,7 +2,7 @@
 ranks, its position in the epoch and its seeds, and how many steps an epoch has."""
 
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 from backends import TrainerBackend
 from framework.data.loader_plan import RecordingSampler, warn_about_stream_shares, warn_if_loader_ignores_plan
@@ -50,10 +50,7 @@ class TrainLoader:
         except TypeError:
             length = None
         self.length = None if length is None else backend.min_over_ranks(length)
-        representatives = backend.data_parallel_representatives()
-        warn_about_stream_shares(  # one entry per share of the data (tensor-parallel peers read the same)
-            self.loader, backend.data_parallel_size, lambda obj: [backend.all_gather_object(obj)[r] for r in representatives]
-        )
+        warn_about_stream_shares(self.loader, backend.data_parallel_size, lambda obj: _one_per_share(backend, obj))
         checks.check_train_loader_not_empty(self.loader, self.length, micro_batch_size)
         self.position = LoaderPosition(self.loader)
         self.seeding = LoaderSeeding(self.loader, args.seed)
@@ -86,3 +83,9 @@ class TrainLoader:
         self.position.start_epoch(epoch, micro_batches_done * self.micro_batch_size)
         self.seeding.start_epoch(epoch)  # before iter: seeds its workers
         return iter(self.loader)
+
+
+def _one_per_share(backend: TrainerBackend, obj: Any) -> List[Any]:
+    """Every rank's ``obj``, one per data-parallel rank (tensor-parallel peers read the same share)."""
+    gathered = backend.all_gather_object(obj)
+    return [gathered[rank] for rank in backend.data_parallel_representatives()]

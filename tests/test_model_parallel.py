@@ -9,6 +9,7 @@ row-split layers sum partial products in another order, and Adam amplifies round
 """
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from distributed import run_ranks
+from distributed import free_port, run_ranks
 
 from framework import ModuleInterface, Trainer, TrainerArguments
 
@@ -291,3 +292,18 @@ def test_manual_optimization_clips_over_the_2x2_mesh_as_sp_does(runs):
         assert manual["norms"] == pytest.approx(sp_manual["norms"], rel=1e-4)
         assert min(manual["norms"]) > 0.2  # clipping bit at every step
         assert max_difference(manual["weights"], sp_manual["weights"]) <= TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_example_trains_on_a_2x2_mesh_under_torchrun(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}"]
+    command += ["examples/model_parallel.py", "--backend", "model-parallel", "--trainer.tensor_parallel_size", "2"]
+    command += ["--trainer.epochs", "1", "--trainer.output_dir", str(tmp_path)]
+    result = subprocess.run(
+        command, cwd=root, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "4 process(es): data-parallel size 2, tensor-parallel size 2; final val_loss=" in result.stdout
+    assert result.stdout.count("final val_loss=") == 1  # rank zero alone prints

@@ -175,9 +175,10 @@ def grid_scenarios(rank: int, out: str) -> dict:
 
 
 def pair_scenarios(rank: int, out: str) -> dict:
-    """1x2 (tensor_parallel_size=None: the processes of the node): the full run, and the 2x2 checkpoint resumed."""
+    """1x2 (tensor_parallel_size=None: the processes of the node): the full run, with activation checkpointing
+    (each block recomputed in backward around its split layers: the same gradients), and the 2x2 checkpoint resumed."""
     dist.init_process_group("gloo")
-    trainer = Trainer(RecordingLlama(), arguments(os.path.join(out, "pair")))
+    trainer = Trainer(RecordingLlama(), arguments(os.path.join(out, "pair"), activation_checkpointing=True))
     trainer.train()
     results = {"pair": summary(trainer)}
     resumed = Trainer(RecordingLlama(), resumed_from(os.path.join(out, "stopped"), os.path.join(out, "as-1x2")))

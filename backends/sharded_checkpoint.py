@@ -18,12 +18,14 @@ Atomicity: every rank writes into ``.checkpoint-<step>.partial/``; once DCP has 
 last step gathers every rank's result), rank zero writes ``state.pt``, renames the directory
 into place and writes ``.complete``.
 
-Safety: DCP unpickles ``.metadata`` with plain ``pickle``. It is unpickled only when its
-SHA-256 equals the digest in ``state.pt`` (itself read with ``weights_only``); a mismatch is
-a damaged checkpoint (:class:`~backends.checkpoint_io.CorruptCheckpoint`), a missing digest
-a refused one (:class:`~backends.checkpoint_io.CheckpointRefused`, unless the IO trusts
-pickles). Every error DCP raises while reading (its ``CheckpointException`` is a
-``BaseException``) is reported as :class:`~backends.checkpoint_io.CorruptCheckpoint`.
+Safety: DCP unpickles ``.metadata`` with plain ``pickle``; here it is read by
+:class:`~backends.dcp_index.IndexUnpickler`, which admits only the classes a DCP index is made
+of, so a hostile index is refused (:class:`~backends.checkpoint_io.CheckpointRefused`) before
+anything in it is called, whatever digest ``state.pt`` holds. The digest of ``.metadata`` in
+``state.pt`` only detects damage: a mismatch is a damaged checkpoint
+(:class:`~backends.checkpoint_io.CorruptCheckpoint`), skipped for an older one. Every error DCP
+raises while reading (its ``CheckpointException`` is a ``BaseException``) is reported as
+:class:`~backends.checkpoint_io.CorruptCheckpoint`.
 """
 
 import contextlib
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, file_digest
+from backends.dcp_index import SafeFileSystemReader, UnsafeIndex, read_index, safe_fsspec_reader
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +187,7 @@ def load(
     Raises:
         FileNotFoundError: there is no directory at ``path``.
         CorruptCheckpoint: unfinished, damaged, or unreadable by DCP.
-        CheckpointRefused: ``.metadata`` carries no digest and ``io`` refuses pickles.
+        CheckpointRefused: ``.metadata`` names globals a DCP index does not (code could run).
         ValueError: the checkpoint holds module tensors ``target()`` does not have.
     """
     fs, directory = fsspec.core.url_to_fs(path)
@@ -201,7 +204,7 @@ def load(
         raise CorruptCheckpoint(f"{STATE_FILE} is not a sharded checkpoint's state")
     _check_index(fs, directory, rest, io)
     paths = marker_paths(rest)
-    reader = _reader(fs, directory)
+    reader = _reader(fs, directory, io.weights_only)
     if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
         initialize_optimizer_state(optimizers)
     available = split_sharded(target())[0] if target is not None else {}
@@ -238,26 +241,31 @@ def load(
 
 
 def _check_index(fs: Any, directory: str, rest: Dict[str, Any], io: CheckpointIO) -> None:
-    """Refuse to let DCP unpickle a ``.metadata`` that is not the one written with ``state.pt``."""
+    """Refuse a ``.metadata`` that is damaged (its digest differs from the one in ``state.pt``) or
+    that names anything but DCP's index classes (read by :class:`~backends.dcp_index.IndexUnpickler`)."""
     index = posixpath.join(directory, INDEX_FILE)
     expected = rest.get(DIGEST_KEY, {}).get("metadata_sha256") if isinstance(rest.get(DIGEST_KEY), dict) else None
-    if expected is None:
-        if io.weights_only:
-            raise CheckpointRefused(
-                f"{fs.unstrip_protocol(directory)}: its DCP index {INDEX_FILE} carries no digest (written by an older "
-                "version), and DCP unpickles it with plain pickle, which can run code; refusing to load it. If you trust "
-                "the directory, set checkpointer_args.weights_only=False (--checkpointer.weights_only false)"
-            )
-        return
     try:
         actual = file_digest(fs.unstrip_protocol(index))
     except FileNotFoundError as error:
         raise CorruptCheckpoint(f"its index {INDEX_FILE} is missing") from error
-    if actual != expected:
+    if expected is not None and actual != expected:
         raise CorruptCheckpoint(
             f"its index {INDEX_FILE} does not match the digest saved with the checkpoint (damaged or replaced); "
             "it was not unpickled"
         )
+    if not io.weights_only:
+        return  # trusted: DCP's own reader unpickles it
+    try:
+        with fs.open(index, "rb") as handle:
+            read_index(handle)
+    except UnsafeIndex as error:
+        raise CheckpointRefused(
+            f"{fs.unstrip_protocol(directory)}: its DCP index {INDEX_FILE} is not a plain DCP index: {error}; refusing "
+            "to load it (nothing in it was called). If you wrote it and trust it, set checkpointer_args.weights_only=False"
+        ) from error
+    except Exception as error:  # truncated or garbled: damaged
+        raise CorruptCheckpoint(f"its index {INDEX_FILE} is unreadable ({type(error).__name__}: {error})") from error
 
 
 def _fresh_directory(fs: Any, path: str) -> None:
@@ -288,14 +296,17 @@ def _is_local(fs: Any) -> bool:
 def _writer(fs: Any, path: str) -> Any:
     if _is_local(fs):
         return dcp.FileSystemWriter(path)
-    from torch.distributed.checkpoint import FsspecWriter  # type: ignore[attr-defined]  # exported at runtime, not in the stubs
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not exported by the package in torch 2.13
 
     return FsspecWriter(fs.unstrip_protocol(path))
 
 
-def _reader(fs: Any, path: str) -> Any:
+def _reader(fs: Any, path: str, safe: bool = True) -> Any:
+    """DCP's reader for ``path``; ``safe``: its index read by :class:`~backends.dcp_index.IndexUnpickler`."""
     if _is_local(fs):
-        return dcp.FileSystemReader(path)
-    from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined]  # exported at runtime, not in the stubs
+        return SafeFileSystemReader(path) if safe else dcp.FileSystemReader(path)
+    if safe:
+        return safe_fsspec_reader(fs.unstrip_protocol(path))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(fs.unstrip_protocol(path))

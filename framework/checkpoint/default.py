@@ -291,7 +291,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
         Raises:
             CheckpointRefused: ``weights_only`` refuses a file (pickled objects, blocked modules,
-                bytes before the archive, a sharded index without its digest); the run stops,
+                bytes before the archive, a sharded index naming other globals); the run stops,
                 the file is left as it is.
             OSError: listing or reading failed on every retry (EIO, permission).
             ValueError: a checkpoint is intact but not of this format or version.

@@ -29,9 +29,9 @@ from framework.module import ModuleInterface, StepRunner
 from framework.run import checks
 from framework.run.arguments import TrainerArguments, micro_batch_plan
 from framework.run.config import resolved_config
-from framework.run.run_directory import claim_run_directory
+from framework.run.run_directory import claim_run_directory, locked_directories
 from framework.run.run_identity import StartingIdentity
-from framework.run.run_lock import RunLock, claim_run_lock
+from framework.run.run_lock import RunLocks, claim_run_lock
 from framework.run.run_start import log_run_start
 
 logger = logging.getLogger("framework")
@@ -69,7 +69,7 @@ class TrainerSetup:
     _metrics: MetricCollector
     _restored: bool
     _micro_batch_found: bool
-    _run_lock: Optional[RunLock]
+    _run_lock: Optional[RunLocks]
     _identity: StartingIdentity
     _compile_started: Optional[float]
 
@@ -96,8 +96,8 @@ class TrainerSetup:
 
     def _setup_training(self) -> None:
         args = self.args
-        if not args.fast_dev_run:  # first: a second live run on this output_dir stops here
-            self._run_lock = claim_run_lock(args.output_dir, self.backend)
+        if not args.fast_dev_run:  # first: a second live run on this output_dir (or save_dir) stops here
+            self._run_lock = claim_run_lock(args.output_dir, self.backend, locked_directories(args.output_dir, self.checkpointer))
         loader = self._create_train_loader()
         if self.wrapped_module is None:
             if args.activation_checkpointing:  # before the strategy compiles and shards the units

@@ -28,6 +28,7 @@ from framework.checkpoint.retention import (
     model_name,
 )
 from framework.checkpoint.staging import StagingBuffers, copy_to_cpu
+from framework.checkpoint.storage_check import check_storage_serves
 from framework.run.run_directory import RUN_ENTRY, RunDirectoryInUse, ways_on
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,12 @@ class DefaultCheckpointer(AbstractCheckpointer):
         self.resumed_own_run = False
         """True when the last :meth:`load` took a checkpoint from ``save_dir`` (a restart of this run)."""
         self._prepared = False
+
+    def setup(self, strategy: Strategy) -> None:
+        """Told which strategy writes and reads; refuses storage its processes cannot share (``memory://``)."""
+        super().setup(strategy)
+        locations = {"save_dir": self.save_dir, "load_dir": self.args.load_dir, "load_filename": self.args.load_filename}
+        check_storage_serves(strategy.world_size, strategy.name, locations)
 
     # -- one run per directory ----------------------------------------------------------
     def continues_existing_run(self) -> bool:

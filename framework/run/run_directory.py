@@ -1,13 +1,8 @@
 """One run per directory: a new run refuses to start where another run's files are.
 
-Its ``save_dir`` too, when the checkpoints go outside ``output_dir``: a run identifies itself
-by its ``output_dir`` (where its ``config.yaml`` and run id live), and such a ``save_dir``
-records its owner in ``run.owner`` (JSON: the owner's ``output_dir`` and host), written by
-rank zero at setup. A run with another ``output_dir`` is refused while the owner's
-``output_dir`` still holds a run (its ``config.yaml``): resuming there would adopt that run's
-checkpoints, and its retention would delete them. A ``save_dir`` named ``checkpoints`` beside
-another run's ``config.yaml`` belongs to that run even without the file. While two runs live
-at once, the run lock of ``save_dir`` (:mod:`framework.run.run_lock`) keeps the second out.
+A ``save_dir`` outside ``output_dir`` (:func:`separate_save_dir`) is locked with the output
+directory while the run lives (:func:`locked_directories`, :mod:`framework.run.run_lock`);
+whose checkpoints it holds is checked on resume (:mod:`framework.run.run_identity`).
 
 Running the same command twice without ``resume`` would otherwise overwrite the first run's
 ``metrics.csv``, ``config.yaml`` and checkpoints. At setup, before anything is written,
@@ -16,17 +11,11 @@ checkpointer's own directory (``AbstractCheckpointer.prepare_run``); a run that 
 the run already there (``resume="auto"``, or loading from its own ``save_dir``) may use them.
 """
 
-import json
 import os
-import posixpath
 import re
-import socket
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
-import fsspec
-
 from backends.local_files import local_path
-from framework.run.run_identity import recorded_run_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
@@ -106,9 +95,7 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
     """At setup, before anything is written: check ``output_dir`` and the checkpointer's directory.
 
     Rank zero (the rank that writes) runs :func:`check_output_dir_free` with
-    ``checkpointer.continues_existing_run()`` and then ``checkpointer.prepare_run()``; a
-    ``save_dir`` outside ``output_dir`` must not belong to another run's output directory, and
-    is then recorded as this run's (:func:`record_save_dir_owner`); its
+    ``checkpointer.continues_existing_run()`` and then ``checkpointer.prepare_run()``; its
     outcome is shared (``backend.run_on_rank_zero``), so every rank raises together instead
     of waiting in a collective. Call it on every rank.
 
@@ -120,21 +107,10 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
     """
 
     def claim() -> None:
-        resuming = checkpointer.continues_existing_run()
-        check_output_dir_free(output_dir, resuming)
-        save_dir = separate_save_dir(output_dir, checkpointer)
-        if save_dir is not None and resuming:  # before anything there is touched
-            check_save_dir_owner(output_dir, save_dir)
-        checkpointer.prepare_run()  # refuses another run's checkpoints when not resuming
-        if save_dir is not None:
-            check_save_dir_owner(output_dir, save_dir)
-            record_save_dir_owner(output_dir, save_dir)
+        check_output_dir_free(output_dir, checkpointer.continues_existing_run())
+        checkpointer.prepare_run()
 
     backend.run_on_rank_zero(claim, "refused to start the run", share_as=(RunDirectoryInUse,))
-
-
-OWNER_NAME = "run.owner"
-"""The file in a separate ``save_dir`` naming the ``output_dir`` of the run it belongs to."""
 
 
 def separate_save_dir(output_dir: str, checkpointer: Any) -> Optional[str]:
@@ -161,59 +137,3 @@ def locked_directories(output_dir: str, checkpointer: Any) -> List[Tuple[str, st
     save_dir = separate_save_dir(output_dir, checkpointer)
     local = None if save_dir is None else local_path(save_dir)
     return [] if local is None else [(local, "save_dir")]
-
-
-def save_dir_owner(save_dir: str) -> Optional[str]:
-    """The ``output_dir`` of the run ``save_dir`` belongs to, or None (unclaimed)."""
-    fs, directory = fsspec.core.url_to_fs(save_dir)
-    try:
-        with fs.open(posixpath.join(directory, OWNER_NAME), "rb") as handle:
-            owner = json.loads(handle.read().decode()).get("output_dir")
-        if isinstance(owner, str) and owner:
-            return owner
-    except (FileNotFoundError, ValueError, AttributeError):
-        pass
-    local = local_path(save_dir)
-    if local is not None and os.path.basename(local) == "checkpoints":
-        parent = os.path.dirname(local)
-        if os.path.isfile(os.path.join(parent, "config.yaml")):
-            return parent
-    return None
-
-
-def check_save_dir_owner(output_dir: str, save_dir: str) -> None:
-    """Refuse ``save_dir`` when it belongs to the run of another, still present, ``output_dir``.
-
-    Raises:
-        RunDirectoryInUse: naming the owner, its run id and the ways on.
-    """
-    owner = save_dir_owner(save_dir)
-    if owner is None or _same_place(owner, output_dir):
-        return
-    owner_run = recorded_run_id(owner)
-    if owner_run is None:  # the owner's output_dir is gone: this run may continue its checkpoints
-        return
-    raise RunDirectoryInUse(
-        f"save_dir {save_dir!r} holds the checkpoints of run {owner_run} in output_dir {owner!r}, not of this run's "
-        f"output_dir {output_dir!r}: resuming here would adopt that run's checkpoints and its retention would delete "
-        f"them. To continue that run, use its output_dir (--trainer.output_dir {owner}); to start another run, "
-        "choose another save_dir (--checkpointer.save_dir)"
-    )
-
-
-def record_save_dir_owner(output_dir: str, save_dir: str) -> None:
-    """Write ``save_dir``'s ``run.owner``: it belongs to the run of ``output_dir``."""
-    fs, directory = fsspec.core.url_to_fs(save_dir)
-    fs.makedirs(directory, exist_ok=True)
-    owner = local_path(str(output_dir)) or str(output_dir)
-    temporary = posixpath.join(directory, f".{OWNER_NAME}.{os.getpid()}.tmp")
-    with fs.open(temporary, "wb") as handle:
-        handle.write(json.dumps({"output_dir": owner, "host": socket.gethostname()}).encode())
-    fs.mv(temporary, posixpath.join(directory, OWNER_NAME))  # whole or not at all
-
-
-def _same_place(first: str, second: str) -> bool:
-    local_first, local_second = local_path(first), local_path(second)
-    if local_first is not None and local_second is not None:
-        return os.path.realpath(local_first) == os.path.realpath(local_second)
-    return first.rstrip("/") == second.rstrip("/")

@@ -161,9 +161,10 @@ def prepare_save(
         # Rank zero: DCP has gathered every rank's result, so every shard and the index are written.
         rest[DIGEST_KEY] = {"metadata_sha256": file_digest(fs.unstrip_protocol(posixpath.join(partial, INDEX_FILE)))}
         io.write(fs.unstrip_protocol(posixpath.join(partial, STATE_FILE)), rest)
+        fs.invalidate_cache()  # the other ranks wrote their shards: no listing of before
         if fs.exists(final):  # the same step saved again (e.g. the final save after a step save)
             fs.rm(final, recursive=True)
-        fs.mv(partial, final, recursive=True)
+        _move_directory(fs, partial, final)
         with fs.open(posixpath.join(final, COMPLETE_MARKER), "wb") as handle:
             handle.write(b"complete\n")
 
@@ -192,6 +193,7 @@ def load(
     """
     fs, directory = fsspec.core.url_to_fs(path)
     directory = directory.rstrip("/")
+    fs.invalidate_cache()  # written by other processes: never a cached listing
     if not fs.isdir(directory):
         raise FileNotFoundError(f"sharded checkpoint directory {path!r} does not exist")
     if not fs.exists(posixpath.join(directory, COMPLETE_MARKER)):
@@ -266,6 +268,18 @@ def _check_index(fs: Any, directory: str, rest: Dict[str, Any], io: CheckpointIO
         ) from error
     except Exception as error:  # truncated or garbled: damaged
         raise CorruptCheckpoint(f"its index {INDEX_FILE} is unreadable ({type(error).__name__}: {error})") from error
+
+
+def _move_directory(fs: Any, source: str, target: str) -> None:
+    """Rename ``source`` to ``target``; on an object store (no directories, no renames: s3, gcs)
+    file by file (readers wait for ``.complete``, written after)."""
+    if _is_local(fs):
+        fs.mv(source, target, recursive=True)
+        return
+    for path in fs.find(source):
+        fs.mv(path, posixpath.join(target, posixpath.relpath(path, source)))
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(source, recursive=True)
 
 
 def _fresh_directory(fs: Any, path: str) -> None:

@@ -162,3 +162,16 @@ def test_two_runs_in_two_output_dirs_sharing_one_save_dir_in_sequence_the_second
     shutil.rmtree(tmp_path / "first")  # the owner's output_dir is gone: its checkpoints may be continued
     continued = train(tmp_path / "second", epochs=4, save_dir=shared, keep_last_n=1)
     assert continued.run_id == first.run_id
+
+
+def test_a_finished_run_resumed_says_nothing_is_left_to_do_and_which_settings_differ(run_a, tmp_path, framework_log):
+    shutil.copytree(run_a[0] / "run", tmp_path / "run")  # a finished 2-epoch run (copied: run_a stays as it is)
+    finished = run_a[1].global_steps_finished
+    fewer = train(tmp_path, epochs=1)
+    assert fewer.global_steps_finished == finished
+    said = [line for line in framework_log if "nothing to do" in line]
+    assert len(said) == 1 and f"finished at step {finished} (2 epochs)" in said[0] and "trainer.epochs: 2 -> 1" in said[0]
+    framework_log.clear()
+    train(tmp_path, epochs=1)  # the same command again: its settings are now the run's own
+    said = [line for line in framework_log if "nothing to do" in line]
+    assert len(said) == 1 and "the settings are the run's own" in said[0]

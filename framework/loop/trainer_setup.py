@@ -29,6 +29,7 @@ from framework.module import ModuleInterface, StepRunner
 from framework.run import checks
 from framework.run.arguments import TrainerArguments, micro_batch_plan
 from framework.run.config import resolved_config
+from framework.run.finished_run import changed_settings, log_nothing_to_do
 from framework.run.run_directory import claim_run_directory, locked_directories
 from framework.run.run_identity import StartingIdentity
 from framework.run.run_lock import RunLocks, claim_run_lock
@@ -77,6 +78,7 @@ class TrainerSetup:
     checkpointing_enabled: bool
     is_main_process: bool
     global_steps_finished: int
+    epochs_finished: int
     _restore_checkpoint: Callable[[], None]
 
     # -- setup ----------------------------------------------------------------------------
@@ -122,6 +124,11 @@ class TrainerSetup:
                 self._use_micro_batch(found, "the largest that fits")
         self.recorder.start_loggers()
         if self.is_main_process and not args.fast_dev_run:
+            if self.checkpointer.loaded_from is not None and self.stopping.complete(
+                self.epochs_finished, self.global_steps_finished
+            ):
+                changes = changed_settings(os.path.join(args.output_dir, "config.yaml"), resolved_config(args).to_dict())
+                log_nothing_to_do(self.global_steps_finished, self.epochs_finished, changes)  # before config.yaml is rewritten
             resolved_config(args).save(os.path.join(args.output_dir, "config.yaml"), run_id=self.run_id)
         self.stopping.start_clock()
         self._compile_started = time.perf_counter() if args.compile else None

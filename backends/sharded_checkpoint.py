@@ -216,6 +216,8 @@ def load(
             f"the checkpoint holds tensors this run's module does not have: {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}; load it into the same model"
         )
+    if target is not None:
+        _check_shapes(reader, {key: available[key] for key in paths if key in available}, fs.unstrip_protocol(directory))
     try:
         with _single_process_quietly():
             if target is None:  # full tensors, sized from the DCP index
@@ -268,6 +270,31 @@ def _check_index(fs: Any, directory: str, rest: Dict[str, Any], io: CheckpointIO
         ) from error
     except Exception as error:  # truncated or garbled: damaged
         raise CorruptCheckpoint(f"its index {INDEX_FILE} is unreadable ({type(error).__name__}: {error})") from error
+
+
+def _check_shapes(reader: Any, targets: Dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a checkpoint whose tensors have other (global) shapes than this run's: another model.
+
+    Raises:
+        ValueError: naming the first tensors whose shapes differ (never :class:`CorruptCheckpoint`:
+            the checkpoint is intact, and an older one would not fit either).
+    """
+    try:
+        with _single_process_quietly():
+            entries = reader.read_metadata().state_dict_metadata
+    except Exception:  # an unreadable index is reported by the load itself
+        return
+    differing = [
+        f"{key} {tuple(entries[key].size)} in the checkpoint, {tuple(tensor.shape)} in this run"
+        for key, tensor in targets.items()
+        if isinstance(entries.get(key), TensorStorageMetadata) and tuple(entries[key].size) != tuple(tensor.shape)
+    ]
+    if differing:
+        raise ValueError(
+            f"{where} was written by a model of another shape: {'; '.join(differing[:3])}"
+            f"{f' (and {len(differing) - 3} more)' if len(differing) > 3 else ''}. Resume it with the model that wrote "
+            "it, or start this model in a new output_dir (fine-tuning from a checkpoint needs the same shapes)"
+        )
 
 
 def _move_directory(fs: Any, source: str, target: str) -> None:

@@ -149,6 +149,13 @@ def sharded_scenarios(rank: int, out: str) -> Dict[str, Any]:
     results["resumed"] = full_weights(resumed)
     results["resumed_from"] = resumed.checkpointer.loaded_from
     results["skipped"] = [message for message in messages.messages if "was skipped" in message]
+    reshaped_args = arguments(damaged_dir, epochs=3)  # the same run resumed with a wider model
+    reshaped_args.checkpointer_args.resume = "auto"
+    messages.messages.clear()
+    reshaped = Trainer(TinyTransformer(width=32), reshaped_args)
+    results["reshaped"] = outcome(reshaped.train)
+    results["reshaped_skipped"] = [message for message in messages.messages if "was skipped" in message]
+    reshaped.close()
 
     nan_dir = os.path.join(out, "nan")
     nan_args = arguments(nan_dir, stop_on_nonfinite_loss=False)
@@ -266,3 +273,15 @@ def test_a_tampered_index_with_its_digest_rewritten_runs_no_code_anywhere(runs):
     with pytest.raises(CheckpointRefused, match="not a plain DCP index"):
         load_weights(TinyTransformer(), tampered)
     assert not os.path.exists(os.path.join(out, "tampered-pickle-ran"))  # nothing in it was called
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_changed_model_shape_is_named_not_reported_as_unreadable_checkpoints(runs):
+    _, (rank0, rank1) = runs
+    for rank in (rank0, rank1):
+        message = rank["reshaped"]
+        assert message.startswith("ValueError") and "written by a model of another shape" in message, message
+        assert checkpoint_name(STEPS, "") in message and "(32, 16) in the checkpoint, (32, 32) in this run" in message
+        assert "unreadable" not in message and "move them away" not in message
+        assert rank["reshaped_skipped"] == []  # no good checkpoint called damaged

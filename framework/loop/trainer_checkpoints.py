@@ -220,13 +220,14 @@ class TrainerCheckpoints:
             optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
-        configured.restore(self.optimizers)  # a changed hyperparameter: warned, the configured value used
         saved_callbacks = list(state["callbacks"])
         for callback in self.callbacks:  # matched by class name, in order
             match = next((entry for entry in saved_callbacks if entry["type"] == type(callback).__name__), None)
             if match is not None:
                 saved_callbacks.remove(match)
                 callback.load_state_dict(match["state"])
+        driven = {key for callback in self.callbacks for key in getattr(callback, "drives_hyperparameters", tuple)()}
+        configured.restore(self.optimizers, driven)  # a changed hyperparameter: warned, the configured value used
         self.checkpointer.load_state_dict(state.get("checkpointer", {}))
         self.history.load_state_dict(state["history"])
         self.loggers.load_state_dict(state.get("loggers", {}))

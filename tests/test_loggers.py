@@ -201,3 +201,13 @@ def test_entry_point_logger_is_chosen_by_name_in_a_fresh_process(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl") as handle:
         logged = Counter((record["name"], record["step"], record["value"]) for record in map(json.loads, handle))
     assert logged == csv_points(str(tmp_path / "run")) and logged
+
+
+def test_a_logger_given_as_a_string_is_one_logger(tmp_path):
+    from framework import TrainerArguments
+
+    assert TrainerArguments(loggers="csv").loggers == ["csv"]
+    with pytest.raises(ValueError, match="unknown logger 'tensorbord'"):
+        TrainerArguments(loggers="tensorbord")
+    Trainer(ToyModule(n_train=32), toy_args(tmp_path, loggers="csv")).train()
+    assert os.path.isfile(tmp_path / "run" / "metrics.csv")

@@ -130,7 +130,8 @@ class TrainerArguments(_CarriesRunConfig):
     """Where metrics.csv, config.yaml and (by default) checkpoints go."""
     loggers: List[Union[str, Logger]] = field(default_factory=lambda: ["csv"])
     """Where metrics go on rank zero: names (``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or one from the
-    ``framework.loggers`` entry points) or Logger instances; CLI ``--trainer.loggers '[csv,mlflow]'``."""
+    ``framework.loggers`` entry points) or Logger instances; one alone may be given as it is (``loggers="csv"``);
+    CLI ``--trainer.loggers '[csv,mlflow]'``."""
     tensorboard: bool = False
     """Also write TensorBoard events to ``<output_dir>/tensorboard`` (the same as adding ``"tensorboard"`` to loggers)."""
     preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"
@@ -144,6 +145,8 @@ class TrainerArguments(_CarriesRunConfig):
     def __post_init__(self) -> None:
         if isinstance(self.checkpointer_args, dict):
             self.checkpointer_args = DefaultCheckpointerArguments(**self.checkpointer_args)
+        if isinstance(self.loggers, (str, Logger)):  # loggers="csv": one logger, not the letters c, s, v
+            self.loggers = [self.loggers]
         check_field_types(self, "TrainerArguments")  # types first: the range checks below compare numbers
         check_logger_choices(self.loggers)
         _require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")

@@ -18,7 +18,7 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.run.run_lock import LOCK_NAME, STALE_AFTER_SECONDS, RunLocked
+from framework.run.run_lock import LOCK_NAME, STALE_AFTER_SECONDS, RunLocked, process_start_time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")
@@ -69,10 +69,11 @@ def dead_pid():
     return process.pid
 
 
-def write_lock(directory, pid, host, age):
+def write_lock(directory, pid, host, age, started=None):
     directory.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    (directory / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host, "started": now - age, "heartbeat": now - age}))
+    started = now - age if started is None else started
+    (directory / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host, "started": started, "heartbeat": now - age}))
 
 
 def train(tmp_path, module=None, save_dir=None):
@@ -108,8 +109,11 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, framew
         process = request.getfixturevalue("live_process")
         wait_for(lambda: os.path.exists(f"/proc/{process.pid}"))
         pid = process.pid
-    pid = dead_pid() if pid == "dead" else os.getpid() if pid == "self" else pid
-    write_lock(tmp_path / "run", pid, host, age)
+    started = None
+    if pid == "self":  # the lock was taken before this process started: by an earlier process with its pid
+        pid, started = os.getpid(), process_start_time(os.getpid()) - 60
+    pid = dead_pid() if pid == "dead" else pid
+    write_lock(tmp_path / "run", pid, host, age, started)
     trainer = train(tmp_path)
     assert trainer.global_steps_finished == 2
     assert any("taking over the run lock" in line and f"pid {pid} on host {host}" in line for line in framework_log)

@@ -68,13 +68,12 @@ class LockHolder:
 
     def is_alive(self, stale_after: float) -> bool:
         """False when the heartbeat is older than ``stale_after``; on this host also when the pid is
-        gone (or a zombie), is this process, or belongs to a process younger than the lock (pid reuse)."""
+        gone (or a zombie) or belongs to a process younger than the lock: a reused pid, or this very
+        process restarted with the pid of the run that took it (a container restart)."""
         if time.time() - self.heartbeat > stale_after:
             return False
         if self.host != socket.gethostname():
             return True
-        if self.pid == os.getpid():
-            return False  # this process did not take it: a restarted process that got the same pid
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:

@@ -1,7 +1,7 @@
 """One run per directory: a new run refuses to start where another run's files are.
 
-A ``save_dir`` outside ``output_dir`` (:func:`separate_save_dir`) is locked with the output
-directory while the run lives (:func:`locked_directories`, :mod:`framework.run.run_lock`);
+A local ``save_dir`` outside ``output_dir`` is locked with the output directory while the run
+lives (:func:`locked_directories`, :mod:`framework.run.run_lock`);
 whose checkpoints it holds is checked on resume (:mod:`framework.run.run_identity`).
 
 Running the same command twice without ``resume`` would otherwise overwrite the first run's
@@ -13,7 +13,7 @@ the run already there (``resume="auto"``, or loading from its own ``save_dir``) 
 
 import os
 import re
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Tuple
 
 from backends.local_files import local_path
 
@@ -113,27 +113,18 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
     backend.run_on_rank_zero(claim, "refused to start the run", share_as=(RunDirectoryInUse,))
 
 
-def separate_save_dir(output_dir: str, checkpointer: Any) -> Optional[str]:
-    """The checkpointer's ``save_dir`` when it lies outside ``output_dir`` (else None).
+def locked_directories(output_dir: str, checkpointer: Any) -> List[Tuple[str, str]]:
+    """``[(save_dir, "save_dir")]`` when the checkpointer's ``save_dir`` is a local directory
+    outside ``output_dir`` (the run lock covers it too), else empty.
 
     Example:
         >>> class Checkpointer:
         ...     save_dir = "/runs/shared-checkpoints"
-        >>> separate_save_dir("/runs/a", Checkpointer()), separate_save_dir("/shared-checkpoints/..", Checkpointer())
-        ('/runs/shared-checkpoints', '/runs/shared-checkpoints')
+        >>> locked_directories("/runs/a", Checkpointer()), locked_directories("/runs", Checkpointer())
+        ([('/runs/shared-checkpoints', 'save_dir')], [])
     """
     save_dir = getattr(checkpointer, "save_dir", None)
-    if not save_dir:
-        return None
-    local, output = local_path(str(save_dir)), local_path(str(output_dir))
-    if local is not None and output is not None and (local == output or local.startswith(output.rstrip("/") + "/")):
-        return None
-    return str(save_dir)
-
-
-def locked_directories(output_dir: str, checkpointer: Any) -> List[Tuple[str, str]]:
-    """``[(save_dir, "save_dir")]`` when the run's ``save_dir`` is a local directory outside
-    ``output_dir`` (the run lock covers it too), else empty."""
-    save_dir = separate_save_dir(output_dir, checkpointer)
-    local = None if save_dir is None else local_path(save_dir)
-    return [] if local is None else [(local, "save_dir")]
+    local, output = (local_path(str(save_dir)) if save_dir else None), local_path(str(output_dir))
+    if local is None or output is None or local == output or local.startswith(output.rstrip("/") + "/"):
+        return []
+    return [(local, "save_dir")]

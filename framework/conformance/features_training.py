@@ -25,6 +25,7 @@ def _trained(
         "dtype": (module.compute_dtypes or ["-"])[0],
         "setup": list(module.setup_saw) == [context.rank, context.world_size],
         "accumulation": trainer.gradient_accumulation,
+        "data_parallel_size": trainer.backend.data_parallel_size,
         "self": [
             ("sharding units", units == module.expected_units, f"{units} unit(s) of {module.expected_units} blocks"),
             *module.invariants(),
@@ -61,7 +62,7 @@ def manual(context: Context, model: str) -> Dict[str, Any]:
 def auto_micro_batch(context: Context, model: str) -> Dict[str, Any]:
     """gpu_batch_size_limit="auto" where only 4 samples fit: the micro-batch found, weights as sp's."""
     observed = _trained(context, model, "auto", {"fits": 4}, gpu_batch_size_limit="auto")
-    wanted = 16 // context.world_size // 4
+    wanted = 16 // observed.pop("data_parallel_size") // 4  # tensor-parallel peers share a micro-batch
     found = observed["accumulation"]
     observed["self"].append(("accumulation", found == wanted, f"accumulation {found} (want {wanted})"))
     return observed
@@ -113,9 +114,13 @@ def streams(context: Context, model: str) -> Dict[str, Any]:
     trainer = make_trainer(context, model, make_args(context, "stream", epochs=1), loader="stream")
     trainer.train()
     module: Any = trainer.module
-    seen: List[Any] = list(module.seen)
+    share = (trainer.backend.data_parallel_rank, sorted(module.seen))
+    shares = [share]
     if dist.is_available() and dist.is_initialized():
         gathered: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, seen)
-        seen = [index for part in gathered for index in part]
-    return {"seen": sorted(seen)}
+        dist.all_gather_object(gathered, share)
+        shares = gathered
+    by_rank: Dict[int, Any] = {}  # tensor-parallel peers of one data-parallel rank read the same share
+    agreed = all(by_rank.setdefault(rank, seen) == seen for rank, seen in shares)
+    seen = sorted(index for part in by_rank.values() for index in part)
+    return {"seen": seen, "self": [("peers", agreed, f"{len(by_rank)} data-parallel share(s)")]}

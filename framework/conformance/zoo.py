@@ -7,7 +7,7 @@ joins the matrix with ``@register_model("name")``.
 """
 
 import math
-from typing import List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,15 @@ from framework.conformance.registry import register_model
 register_model("mlp", quick=True)(KitNet)
 
 
+def _whole_between_blocks(self: KitNet) -> Dict[str, Any]:
+    """A tensor-parallel plan for a shape that works on whole features between its blocks: the
+    second block split by columns, its output gathered whole again."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return {"blocks.1": ColwiseParallel(output_layouts=Replicate())}
+
+
 @register_model("buffers", quick=True)
 class WithBuffers(KitNet):
     """A rotary cos/sin cache (float buffers of several elements) and a permutation (an integer buffer)."""
@@ -25,6 +34,8 @@ class WithBuffers(KitNet):
     cos: torch.Tensor
     sin: torch.Tensor
     order: torch.Tensor
+
+    tensor_parallel_plan = _whole_between_blocks
 
     def build(self) -> None:
         super().build()
@@ -44,6 +55,8 @@ class WithComplexBuffer(KitNet):
     """A rotary table ``freqs_cis`` (complex64), applied as in torchtitan's llama."""
 
     freqs_cis: torch.Tensor
+
+    tensor_parallel_plan = _whole_between_blocks
 
     def build(self) -> None:
         super().build()
@@ -65,6 +78,8 @@ class WithComplexBuffer(KitNet):
 class WithTiedWeights(KitNet):
     """Two projections outside the blocks sharing one weight (as a language model ties its
     embedding and output), the blocks between them."""
+
+    tensor_parallel_plan = _whole_between_blocks
 
     def build(self) -> None:
         super().build()
@@ -96,6 +111,8 @@ class WithBatchNorm(KitNet):
     """
 
     ranks = (1,)
+
+    tensor_parallel_plan = _whole_between_blocks
 
     def build(self) -> None:
         norm = torch.nn.Sequential(torch.nn.Linear(FEATURES, WIDTH), torch.nn.BatchNorm1d(WIDTH))

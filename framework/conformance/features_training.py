@@ -74,7 +74,7 @@ def activation_checkpointing(context: Context, model: str) -> Dict[str, Any]:
     return _trained(context, model, "checkpointing", gpu_batch_size_limit=4, activation_checkpointing=True)
 
 
-@register_feature("compile", models=("mlp", "buffers"))
+@register_feature("compile", models=("mlp", "buffers"), every_backend=False)
 def compiled(context: Context, model: str) -> Dict[str, Any]:
     """compile=True (torch.compile of each unit): the same weights as sp compiled."""
     return _trained(context, model, "compile", compile=True, epochs=1)

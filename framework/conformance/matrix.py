@@ -108,12 +108,13 @@ def quick_cells(features: Optional[Sequence[str]] = None, models: Optional[Seque
 
 def covering(backends: Sequence[str], seed: int = 0) -> Dict[str, List[Cell]]:
     """Cells per backend such that every (feature, model), (feature, backend) and (model,
-    backend) pair is covered at least once: greedy, each step the candidate covering most new
+    backend) pair is covered at least once (a feature registered with ``every_backend=False``
+    only with each of its models): greedy, each step the candidate covering most new
     pairs (ties broken by a ``random.Random(seed)`` shuffle, so the design is fixed)."""
     candidates = [(feature, model, backend) for feature, model in all_cells() for backend in backends]
     uncovered: Set[Tuple[str, str, str]] = set()
     for feature, model, backend in candidates:
-        uncovered |= {("fm", feature, model), ("fb", feature, backend), ("mb", model, backend)}
+        uncovered |= _pairs((feature, model, backend))
     generator = random.Random(seed)
     generator.shuffle(candidates)
     chosen: Dict[str, List[Cell]] = {backend: [] for backend in backends}
@@ -128,7 +129,8 @@ def covering(backends: Sequence[str], seed: int = 0) -> Dict[str, List[Cell]]:
 
 def _pairs(candidate: Tuple[str, str, str]) -> Set[Tuple[str, str, str]]:
     feature, model, backend = candidate
-    return {("fm", feature, model), ("fb", feature, backend), ("mb", model, backend)}
+    pairs = {("fm", feature, model), ("mb", model, backend)}
+    return pairs | {("fb", feature, backend)} if FEATURES[feature].every_backend else pairs
 
 
 def _checked(names: Optional[Sequence[str]], known: Mapping[str, object], what: str) -> List[str]:

@@ -39,6 +39,9 @@ class Feature:
         quick: in the default (quick) subset of ``python -m framework.conformance``.
         ranks: world sizes it runs on (``(2,)``: only where ranks can differ; ``(1, 2)``: both).
         description: one line for the docs' table.
+        every_backend: the suite's covering design pairs it with every backend (False for a
+            feature that costs seconds per process, such as ``compile``: it is paired with each
+            of its shapes only).
     """
 
     name: str
@@ -50,6 +53,7 @@ class Feature:
     quick: bool = False
     ranks: Tuple[int, ...] = (1, 2)
     description: str = ""
+    every_backend: bool = True
 
 
 FEATURES: Dict[str, Feature] = {}
@@ -68,6 +72,7 @@ def register_feature(
     models: Optional[Tuple[str, ...]] = None,
     quick: bool = False,
     ranks: Tuple[int, ...] = (1, 2),
+    every_backend: bool = True,
 ) -> Callable[[F], F]:
     """Register ``run(context, model) -> observations`` as the feature ``name`` (a decorator).
 
@@ -86,7 +91,7 @@ def register_feature(
         if name in FEATURES and FEATURES[name].run is not run:
             raise ValueError(f"conformance feature {name!r} is already registered")
         description = (run.__doc__ or "").strip().splitlines()[0] if run.__doc__ else name
-        FEATURES[name] = Feature(name, run, compare, exact, resumed, models, quick, ranks, description)
+        FEATURES[name] = Feature(name, run, compare, exact, resumed, models, quick, ranks, description, every_backend)
         return run
 
     return decorator

@@ -1,11 +1,11 @@
 """Where features meet the strategy: EMA, evaluation from checkpoints, the automatic micro-batch
 and prediction on ``sp``, 2-rank ``ddp`` and 2-rank ``fsdp`` (issue 31).
 
-Every backend runs the same scenarios (``scenarios``): ``sp`` in the test process, ``ddp`` and
-``fsdp`` in one 2-rank process group. The model keeps a rotary-style float buffer of more than
-one element (whole on every rank, beside the sharded parameters), validation runs after every
-step with an EMA swapped in, and checks compare each backend with itself (bitwise) and with
-``sp`` (fp32 summation order: 1e-5).
+Every backend runs the same scenarios (``scenarios``): ``sp`` in the test process (its tests are
+in the quick loop), ``ddp`` and ``fsdp`` in a 2-rank process group each. The model keeps a
+rotary-style float buffer of more than one element (whole on every rank, beside the sharded
+parameters), validation runs after every step with an EMA swapped in, and checks compare each
+backend with itself (bitwise) and with ``sp`` (fp32 summation order: 1e-5).
 """
 
 import glob
@@ -24,7 +24,8 @@ from framework import Trainer, TrainerArguments
 from framework.callbacks import EMA, Callback
 from framework.run.preemption import TrainingPreempted
 
-BACKENDS = ("sp", "ddp", "fsdp")
+TWO_RANKS = [pytest.mark.distributed, pytest.mark.slow]
+BACKENDS = [pytest.param("sp"), pytest.param("ddp", marks=TWO_RANKS), pytest.param("fsdp", marks=TWO_RANKS)]
 SUMMATION_TOLERANCE = 1e-5  # another world size sums the same gradients in another order
 
 
@@ -88,10 +89,8 @@ def val_losses(trainer: Trainer) -> dict:
     return {record["step"]: record["value"] for record in trainer.history.records if record["name"] == "val_loss"}
 
 
-def scenarios(rank: int, backend: str, out: str) -> dict:
-    distributed = backend != "sp"
-    if distributed:
-        dist.init_process_group("gloo")
+def scenarios(backend: str, out: str) -> dict:
+    """Every scenario on ``backend`` (in the process group, if any, that the caller made)."""
     results = {}
     directory = os.path.join(out, backend)
 
@@ -132,25 +131,40 @@ def scenarios(rank: int, backend: str, out: str) -> dict:
     )
     automatic.train()
     results["auto"], results["auto micro-batch"] = full(automatic), automatic.train_step_batch_size
-    if distributed:
-        dist.destroy_process_group()
+    return results
+
+
+def two_rank_scenarios(rank: int, backend: str, out: str) -> dict:
+    # A process group per backend: ddp agrees on a preemption through keys of the group's store.
+    dist.init_process_group("gloo")
+    results = scenarios(backend, out)
+    dist.destroy_process_group()
     return results
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("seams"))
-    results = {"sp": scenarios(rank=0, backend="sp", out=out)}
-    for backend in ("ddp", "fsdp"):
-        results[backend] = run_ranks(scenarios, backend=backend, out=out, timeout=600)[0]
-    return results
+def sp_run(tmp_path_factory):
+    return scenarios("sp", str(tmp_path_factory.mktemp("seams-sp")))
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return run_ranks(two_rank_scenarios, backend="ddp", out=str(tmp_path_factory.mktemp("seams-ddp")), timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    return run_ranks(two_rank_scenarios, backend="fsdp", out=str(tmp_path_factory.mktemp("seams-fsdp")), timeout=600)[0]
+
+
+@pytest.fixture
+def runs(request, backend, sp_run):
+    """``{"sp": ..., backend: ...}``: this backend's results beside sp's."""
+    return {"sp": sp_run, backend: request.getfixturevalue(f"{backend}_run")}
 
 
 def max_difference(first: torch.Tensor, second: torch.Tensor) -> float:
     return (first - second).abs().max().item()
-
-
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

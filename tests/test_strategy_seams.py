@@ -11,6 +11,7 @@ backend with itself (bitwise) and with ``sp`` (fp32 summation order: 1e-5).
 import glob
 import os
 import signal
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -89,6 +90,14 @@ def val_losses(trainer: Trainer) -> dict:
     return {record["step"]: record["value"] for record in trainer.history.records if record["name"] == "val_loss"}
 
 
+def outcome(call: Callable[[], Any]) -> Any:
+    """``call()``, or what it raised (on every rank alike: the checks name it)."""
+    try:
+        return call()
+    except Exception as error:
+        return f"raised {type(error).__name__}: {error}"
+
+
 def scenarios(backend: str, out: str) -> dict:
     """Every scenario on ``backend`` (in the process group, if any, that the caller made)."""
     results = {}
@@ -104,12 +113,12 @@ def scenarios(backend: str, out: str) -> dict:
     results["every 5"] = full(every_5)
 
     # Evaluation after training: the current weights, then checkpoints' (each with its own average).
-    results["validate"] = every_5.validate()["val_loss"]
-    results["validate best"] = every_5.validate(checkpoint="best")["val_loss"]  # step 5: the only one kept
     (step_4,) = glob.glob(os.path.join(directory, "every-4", "checkpoints", "checkpoint-000000004*"))
-    results["validate step 4"] = every_5.validate(checkpoint=step_4)["val_loss"]
-    results["predict last"] = every_5.predict(checkpoint="last")
-    results["predict again"] = every_5.predict()
+    results["validate"] = outcome(lambda: every_5.validate()["val_loss"])
+    results["validate best"] = outcome(lambda: every_5.validate(checkpoint="best")["val_loss"])  # step 5: the only one kept
+    results["validate step 4"] = outcome(lambda: every_5.validate(checkpoint=step_4)["val_loss"])
+    results["predict last"] = outcome(lambda: every_5.predict(checkpoint="last"))
+    results["predict again"] = outcome(every_5.predict)
 
     # Preempted by SIGUSR1 after step 3, resumed from the checkpoint written there.
     preempted = arguments(backend, os.path.join(directory, "preempted"), 5)
@@ -179,6 +188,8 @@ def test_ema_training_does_not_depend_on_the_checkpoint_schedule_or_a_preemption
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_validate_after_training_and_from_checkpoints_evaluates_their_own_average(runs, backend):
     run = runs[backend]
+    for name in ("validate", "validate best", "validate step 4"):
+        assert isinstance(run[name], float), f"{name}: {run[name]}"
     recorded = run["val losses"]  # every step's validation during training (every-4 and every-5 train alike)
     assert sorted(recorded) == list(range(1, 9))
     assert run["validate"] == pytest.approx(recorded[8], rel=1e-6)
@@ -198,6 +209,8 @@ def test_the_automatic_micro_batch_trains_the_weights_of_the_same_micro_batch_by
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_predict_from_the_last_checkpoint_and_again_after_it(runs, backend):
     run, expected = runs[backend], runs["sp"]["predict last"]
+    for name in ("predict last", "predict again"):
+        assert isinstance(run[name], torch.Tensor), f"{name}: {run[name]}"
     assert run["predict last"].shape == expected.shape == (31, 8, 32)
     assert max_difference(run["predict last"], expected) <= SUMMATION_TOLERANCE
     assert torch.equal(run["predict again"], run["predict last"])  # the loaded weights stay

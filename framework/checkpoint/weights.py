@@ -59,9 +59,8 @@ def load_weights(
         load_weights(module, "outputs/checkpoints", step="best")
         module.eval()
     """
-    if is_safetensors(path_or_dir):  # a .safetensors file or a sharded index: the module's state_dict
-        return load_checkpoint_into(module, path_or_dir)[0]
-    url = resolve_checkpoint(path_or_dir, step, metric, mode, weights_only)
+    # A .safetensors file or a sharded index is the module's state_dict; else a checkpoint or a directory of them.
+    url = path_or_dir if is_safetensors(path_or_dir) else resolve_checkpoint(path_or_dir, step, metric, mode, weights_only)
     return load_checkpoint_into(module, url, weights_only, strategy)[0]
 
 

@@ -1,7 +1,7 @@
 """ModuleInterface: what a user implements, and the dispatcher that DDP wraps."""
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader
@@ -111,8 +111,8 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     def sharding_units(self) -> Optional[List[torch.nn.Module]]:
         """The submodules that are sharded (``fsdp``) and compiled (``compile=True``) as one unit each.
 
-        None (the default): every block of every ``nn.ModuleList`` in the module (a
-        transformer's layers). Return a list of submodules to choose others; what no unit
+        None (the default): every block of every ``nn.ModuleList`` and ``nn.ModuleDict`` in
+        the module (a transformer's layers). Return a list of submodules to choose others; what no unit
         holds belongs to the root unit. See ``docs/distributed.md``.
         """
         return None
@@ -197,11 +197,13 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     def log(
         self,
         name: str,
-        value: Union[torch.Tensor, float],
+        value: Union[torch.Tensor, float, Any],
         on_step: bool = False,
         on_epoch: bool = True,
         reduce: str = "mean",
         batch_size: Optional[int] = None,
+        prog_bar: bool = False,
+        sync_dist: bool = True,
     ) -> None:
         """Record a metric from inside a step; it stays on the device until it is written.
 
@@ -211,10 +213,26 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         ``batch_size`` (default: the first dimension of the step's batch's first tensor, as
         Lightning infers it; 1 outside a step), so the epoch value is the mean over samples on
         any world size. Outside a trainer this does nothing.
+
+        ``value`` may be a torchmetrics ``Metric`` (as in Lightning): update it in the step
+        yourself (``self.acc.update(preds, y)`` or ``self.acc(preds, y)``) and log the object;
+        at the epoch's end the trainer calls its ``compute()`` (torchmetrics syncs it over
+        ranks) and then ``reset()``. ``prog_bar=True`` shows the value on the progress bar.
+        ``sync_dist`` is accepted for Lightning code and changes nothing: values are always
+        reduced over ranks, at log points and epoch ends only, so it costs no extra sync.
+
+        Example:
+            self.log("val_acc", self.val_acc, prog_bar=True)   # self.val_acc: torchmetrics Accuracy
         """
+        if prog_bar:
+            self.__dict__.setdefault("_prog_bar_names", set()).add(name)
         metric_logger = self._metric_logger
         if metric_logger is not None:
             metric_logger.log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce, batch_size=batch_size)
+
+    def progress_bar_names(self) -> Set[str]:
+        """The names logged with ``prog_bar=True`` so far (what the progress bar shows)."""
+        return set(self.__dict__.get("_prog_bar_names", ()))
 
 
 class StepRunner(torch.nn.Module):

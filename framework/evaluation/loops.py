@@ -86,6 +86,7 @@ class Evaluator:
                 collected = self._run_steps(stage, global_step, loader, limit, losses, step_hook, key)
                 if not record:
                     losses.pop_epoch()
+                    collector.reset_metric_objects()  # a sanity check's updates never count
                     continue
                 outputs = self.backend.gather_in_dataset_order(concatenate_outputs(collected))
                 suffix = f"/{key}" if key else ""

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Mapping, Tuple
 import torch
 
 from backends import TrainerBackend
-from framework.loggers import LoggerSet, RunInfo
+from framework.loggers import LoggerSet, LoggerStartFailed, RunInfo
 from framework.loop.hooks import HookDispatcher
 from framework.loop.training_state import TrainingProgress
 from framework.metrics.collector import MetricCollector, MetricHistory, reduce_metrics
@@ -98,9 +98,18 @@ class MetricRecorder:
         self.hooks.call("on_log_metrics", step, dict(metrics))
 
     def start_loggers(self) -> None:
-        """Start the loggers (rank zero) with the history so far; a later validate()/test() starts them again."""
+        """Start the loggers (rank zero) with the history so far; a later validate()/test() starts them again.
+
+        Raises:
+            LoggerStartFailed: a logger could not start (on every rank).
+        """
         args = self.args
-        self.loggers.start(lambda: RunInfo(args.output_dir, resolved_config(args).to_dict(), list(self.history.records)))
+
+        def start() -> None:
+            self.loggers.start(lambda: RunInfo(args.output_dir, resolved_config(args).to_dict(), list(self.history.records)))
+
+        # A logger that cannot start stops the run before step 1, on every rank (rank zero logs).
+        self.backend.run_on_rank_zero(start, "could not start a logger", share_as=(LoggerStartFailed,))
 
     def log_epoch_summary(self) -> None:
         """One line per epoch: the values recorded in it (the step losses left out)."""

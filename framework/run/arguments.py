@@ -128,9 +128,15 @@ class TrainerArguments(_CarriesRunConfig):
     """Level of the framework's log messages on rank zero."""
     output_dir: str = "outputs"
     """Where metrics.csv, config.yaml and (by default) checkpoints go."""
+    output_dir_in_use: str = "new_version"
+    """When ``output_dir`` holds another run that this run does not resume: ``"new_version"`` trains in
+    ``<output_dir>/version_<N>`` (the first free N >= 1, said once in the log); ``"error"`` refuses to start."""
     loggers: List[Union[str, Logger]] = field(default_factory=lambda: ["csv"])
     """Where metrics go on rank zero: names (``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or one from the
     ``framework.loggers`` entry points) or Logger instances; CLI ``--trainer.loggers '[csv,mlflow]'``."""
+    plot_metrics: Optional[bool] = None
+    """Draw ``<output_dir>/metrics.png`` from metrics.csv when training ends (losses on a log axis); None: where
+    matplotlib is installed, unless the environment sets ``FRAMEWORK_PLOT_METRICS=0``."""
     tensorboard: bool = False
     """Also write TensorBoard events to ``<output_dir>/tensorboard`` (the same as adding ``"tensorboard"`` to loggers)."""
     preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"
@@ -172,6 +178,8 @@ class TrainerArguments(_CarriesRunConfig):
         _require(self.clip_grad_value is None or self.clip_grad_value > 0, "clip_grad_value", self.clip_grad_value, "None or > 0")
         _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
         _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")
+        in_use = self.output_dir_in_use
+        _require(in_use in OUTPUT_DIR_IN_USE, "output_dir_in_use", in_use, f"one of {OUTPUT_DIR_IN_USE}")
         _require(self.profiler in PROFILERS, "profiler", self.profiler, f"one of {PROFILERS}")
         _require(0 <= self.seed < 2**32, "seed", self.seed, "an integer from 0 to 2**32 - 1 (numpy's seed range)")
         _require(self.log_every_n_steps >= 1, "log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
@@ -186,6 +194,9 @@ class TrainerArguments(_CarriesRunConfig):
             self.cluster,
             "None (detect) or a cluster environment name such as 'slurm'",
         )
+
+
+OUTPUT_DIR_IN_USE = ("new_version", "error")
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:

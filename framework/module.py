@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence,
 import torch
 from torch.utils.data import DataLoader
 
+from backends.model_parallel import DEFAULT_PARALLELIZE_MARK
 from framework.loop.hooks import TrainingHooks
 from framework.loop.manual_optimization import ManualOptimization, one_or_list
 from framework.loop.stage import Stage
@@ -116,6 +117,28 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         holds belongs to the root unit. See ``docs/distributed.md``.
         """
         return None
+
+    def tensor_parallel_plan(self) -> Optional[Dict[str, Any]]:
+        """How the ``model-parallel`` backends split this module's layers over the ``tp`` ranks:
+        submodule names relative to the module (wildcards as ``parallelize_module`` takes them)
+        to a ``ParallelStyle``, e.g. ``{"layers.*.mlp.up": ColwiseParallel(), "layers.*.mlp.down":
+        RowwiseParallel()}``. None (the default): no plan; define this or :meth:`parallelize` to
+        train on a model-parallel backend. See ``docs/model-parallel.md``.
+        """
+        return None
+
+    def parallelize(self, tp_mesh: Any) -> None:
+        """Split the module over ``tp_mesh`` (the ``tp`` axis), for full control; the default
+        applies :meth:`tensor_parallel_plan` with ``parallelize_module``. Called once by the
+        ``model-parallel`` backends, before activation checkpointing, compile and FSDP2."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = self.tensor_parallel_plan()
+        if plan is None:
+            raise ValueError(f"{type(self).__name__} defines neither tensor_parallel_plan() nor parallelize(tp_mesh)")
+        parallelize_module(self, tp_mesh, plan)
+
+    setattr(parallelize, DEFAULT_PARALLELIZE_MARK, True)  # the strategy applies the plan itself
 
     def get_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the module: by default its ``state_dict``."""

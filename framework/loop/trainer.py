@@ -39,7 +39,7 @@ from framework.run.config import own_copy
 from framework.run.launcher_watch import LauncherWatch
 from framework.run.logging_setup import configure_logging
 from framework.run.preemption import PreemptionHandler, TrainingPreempted, parse_signals
-from framework.run.run_lock import RunLock
+from framework.run.run_lock import RunLocks
 
 logger = logging.getLogger("framework")
 
@@ -100,7 +100,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         try:
             configure_logging(args.log_level, self.backend.is_main_process)
             self.train_step_batch_size, self.gradient_accumulation = micro_batch_plan(
-                args.train_batch_size, self.backend.world_size, args.gpu_batch_size_limit
+                args.train_batch_size, self.backend.data_parallel_size, args.gpu_batch_size_limit
             )
             self.automatic_optimization = checks.check_optimization_mode(module, args, self.gradient_accumulation)
             self.loggers = LoggerSet(build_loggers(args), active=self.backend.is_main_process and not args.fast_dev_run)
@@ -137,7 +137,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         self._restored = False
         self._weights_loaded = False  # validate/test/predict loaded a checkpoint's weights
         self._micro_batch_found = False  # gpu_batch_size_limit="auto": searched, or read from a checkpoint
-        self._run_lock: Optional[RunLock] = None  # held by rank zero while train() runs
+        self._run_lock: Optional[RunLocks] = None  # held by rank zero while train() runs
         self._compile_started: Optional[float] = None
         self.evaluator = Evaluator(module, self._runner, self.backend, self.hooks, args, self.recorder.record)
         module.attach(self, self._metrics)
@@ -148,6 +148,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         except BaseException:
             self.backend.teardown()
             raise
+        self.backend.check_module(module)  # e.g. model-parallel: a module without a tensor-parallel plan
         self.backend.convert_module(module.to(self.device))  # true bf16: cast before any step
 
     # -- properties ---------------------------------------------------------------------

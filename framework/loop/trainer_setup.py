@@ -31,9 +31,10 @@ from framework.module import ModuleInterface, StepRunner
 from framework.run import checks
 from framework.run.arguments import TrainerArguments, micro_batch_plan
 from framework.run.config import resolved_config
-from framework.run.run_directory import choose_run_directory, claim_run_directory
+from framework.run.finished_run import changed_settings, log_nothing_to_do
+from framework.run.run_directory import choose_run_directory, claim_run_directory, locked_directories
 from framework.run.run_identity import StartingIdentity
-from framework.run.run_lock import RunLock, claim_run_lock
+from framework.run.run_lock import RunLocks, claim_run_lock
 from framework.run.run_start import log_run_start
 
 logger = logging.getLogger("framework")
@@ -72,7 +73,7 @@ class TrainerSetup:
     _metrics: MetricCollector
     _restored: bool
     _micro_batch_found: bool
-    _run_lock: Optional[RunLock]
+    _run_lock: Optional[RunLocks]
     _identity: StartingIdentity
     _compile_started: Optional[float]
 
@@ -80,6 +81,7 @@ class TrainerSetup:
     checkpointing_enabled: bool
     is_main_process: bool
     global_steps_finished: int
+    epochs_finished: int
     _restore_checkpoint: Callable[[], None]
 
     # -- setup ----------------------------------------------------------------------------
@@ -101,8 +103,8 @@ class TrainerSetup:
         args = self.args
         if not self._restored and not args.fast_dev_run:  # another run's output_dir: train in version_<N>
             self._choose_run_directory()
-        if not args.fast_dev_run:  # first: a second live run on this output_dir stops here
-            self._run_lock = claim_run_lock(args.output_dir, self.backend)
+        if not args.fast_dev_run:  # first: a second live run on this output_dir (or save_dir) stops here
+            self._run_lock = claim_run_lock(args.output_dir, self.backend, locked_directories(args.output_dir, self.checkpointer))
         loader = self._create_train_loader()
         if self.wrapped_module is None:
             if args.activation_checkpointing:  # before the strategy compiles and shards the units
@@ -133,6 +135,11 @@ class TrainerSetup:
                 self._use_micro_batch(found, "the largest that fits")
         self.recorder.start_loggers()
         if self.is_main_process and not args.fast_dev_run:
+            if self.checkpointer.loaded_from is not None and self.stopping.complete(
+                self.epochs_finished, self.global_steps_finished
+            ):
+                changes = changed_settings(os.path.join(args.output_dir, "config.yaml"), resolved_config(args).to_dict())
+                log_nothing_to_do(self.global_steps_finished, self.epochs_finished, changes)  # before config.yaml is rewritten
             resolved_config(args).save(os.path.join(args.output_dir, "config.yaml"), run_id=self.run_id)
         self.stopping.start_clock()
         self._compile_started = time.perf_counter() if args.compile else None
@@ -196,7 +203,7 @@ class TrainerSetup:
     def _use_micro_batch(self, size: int, why: str) -> None:
         """``gpu_batch_size_limit="auto"``: train with micro-batches of ``size``, accumulating the
         rest of the batch (the global batch does not change), from a train loader of that size."""
-        plan = micro_batch_plan(self.args.train_batch_size, self.backend.world_size, size)
+        plan = micro_batch_plan(self.args.train_batch_size, self.backend.data_parallel_size, size)
         if plan != (self.train_step_batch_size, self.gradient_accumulation):
             self.train_step_batch_size, self.gradient_accumulation = plan
             self.train_loader = None
@@ -208,7 +215,7 @@ class TrainerSetup:
     def _use_saved_micro_batch(self, saved: Any) -> None:
         """Adopt the micro-batch a checkpoint was trained with, unless it does not divide this run's
         per-process batch (another world size): then the search runs again."""
-        per_process = self.args.train_batch_size // self.backend.world_size
+        per_process = self.args.train_batch_size // self.backend.data_parallel_size
         if isinstance(saved, int) and 0 < saved <= per_process and per_process % saved == 0:
             self._use_micro_batch(saved, "from the checkpoint")
 

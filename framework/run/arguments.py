@@ -92,7 +92,8 @@ class TrainerArguments(_CarriesRunConfig):
     collect_train_outputs: bool = False
     """Keep every train step's outputs for ``on_end_train_epoch`` (off: nothing is kept)."""
     backend: str = "sp"
-    """Backend name: sp, sp-amp, sp-bf16, ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, or a registered plugin."""
+    """Backend name: sp, sp-amp, sp-bf16, ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, model-parallel,
+    model-parallel-amp, model-parallel-bf16, or a registered plugin."""
     amp_dtype: Optional[str] = None
     """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU
     (``*-amp`` backends; ``*-bf16`` take only bfloat16; fp32 backends refuse a value)."""
@@ -103,6 +104,10 @@ class TrainerArguments(_CarriesRunConfig):
     reshard_after_forward: bool = True
     """fsdp backends: free each unit's gathered parameters after its forward (less memory, one more all-gather
     in backward); False keeps them until backward. Any other backend refuses False."""
+    tensor_parallel_size: Optional[int] = None
+    """model-parallel backends: ranks that split each layer (the ``tp`` axis of the ``("dp", "tp")`` mesh); must
+    divide the world size, the data-parallel size is world size / this. None: the processes of one node.
+    Any other backend refuses a value (see docs/model-parallel.md)."""
     cluster: Optional[str] = None
     """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
     compile: bool = False
@@ -133,7 +138,8 @@ class TrainerArguments(_CarriesRunConfig):
     ``<output_dir>/version_<N>`` (the first free N >= 1, said once in the log); ``"error"`` refuses to start."""
     loggers: List[Union[str, Logger]] = field(default_factory=lambda: ["csv"])
     """Where metrics go on rank zero: names (``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or one from the
-    ``framework.loggers`` entry points) or Logger instances; CLI ``--trainer.loggers '[csv,mlflow]'``."""
+    ``framework.loggers`` entry points) or Logger instances; one alone may be given as it is (``loggers="csv"``);
+    CLI ``--trainer.loggers '[csv,mlflow]'``."""
     plot_metrics: Optional[bool] = None
     """Draw ``<output_dir>/metrics.png`` from metrics.csv when training ends (losses on a log axis); None: where
     matplotlib is installed, unless the environment sets ``FRAMEWORK_PLOT_METRICS=0``."""
@@ -150,6 +156,8 @@ class TrainerArguments(_CarriesRunConfig):
     def __post_init__(self) -> None:
         if isinstance(self.checkpointer_args, dict):
             self.checkpointer_args = DefaultCheckpointerArguments(**self.checkpointer_args)
+        if isinstance(self.loggers, (str, Logger)):  # loggers="csv": one logger, not the letters c, s, v
+            self.loggers = [self.loggers]
         check_field_types(self, "TrainerArguments")  # types first: the range checks below compare numbers
         check_logger_choices(self.loggers)
         _require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")
@@ -176,6 +184,13 @@ class TrainerArguments(_CarriesRunConfig):
         _require(self.sanity_val_steps >= 0, "sanity_val_steps", self.sanity_val_steps, "an integer >= 0")
         _require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "a number > 0")
         _require(self.clip_grad_value is None or self.clip_grad_value > 0, "clip_grad_value", self.clip_grad_value, "None or > 0")
+        tp_size = self.tensor_parallel_size
+        _require(
+            tp_size is None or (isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size >= 1),
+            "tensor_parallel_size",
+            tp_size,
+            "None or an integer >= 1 that divides the world size",
+        )
         _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
         _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")
         in_use = self.output_dir_in_use

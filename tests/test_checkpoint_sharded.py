@@ -9,7 +9,10 @@ One 2-rank run (``sharded_scenarios``) trains every scenario in one process grou
   when unpickled), resumed: it skips them with a warning and ends equal to the reference;
 - a run whose weights turn NaN on one rank's shard at step 6: no rank writes a checkpoint
   from then on, the finite ones are kept, and a rerun resumes from the last finite one;
-- a new run pointed at the reference's sharded checkpoints: RunDirectoryInUse on every rank.
+- a new run pointed at the reference's sharded checkpoints: RunDirectoryInUse on every rank;
+- each rank given its own directory (as each node its own disk): the run is refused at start on
+  every rank (``framework/run/shared_storage.py``), and a sharded save whose shards land in
+  different directories is never marked complete (rank zero confirms every shard first).
 """
 
 import logging
@@ -24,11 +27,14 @@ import torch.distributed as dist
 from distributed import run_ranks
 from tiny_transformer import TinyTransformer
 
+from backends import sharded_checkpoint
+from backends.checkpoint_io import CheckpointIO
 from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback
 from framework.checkpoint import RunDirectoryInUse, load_weights
 from framework.checkpoint.default import checkpoint_name
 from framework.run.run_directory import check_output_dir_free
+from framework.run.shared_storage import StorageNotShared
 
 STEPS = 8  # 2 epochs of 4 steps (64 samples, global batch 16)
 
@@ -152,6 +158,26 @@ def sharded_scenarios(rank: int, out: str) -> Dict[str, Any]:
         results["intruder"] = str(error)
     finally:
         intruder.close()
+
+    own_disk = Trainer(TinyTransformer(), arguments(os.path.join(out, f"own-disk-{rank}")))
+    try:
+        own_disk.train()
+        results["own_disk"] = "trained"
+    except StorageNotShared as error:
+        results["own_disk"] = str(error)
+    finally:
+        own_disk.close()
+    split = os.path.join(out, f"split-{rank}", checkpoint_name(1, ""))
+    state = {"module": {f"rank{rank}": torch.full((4,), float(rank))}, "trainer": {}}
+    write = sharded_checkpoint.prepare_save(
+        split, state, CheckpointIO(), is_main=rank == 0, distributed=True, on_rank_zero=lambda make, what: make()
+    )
+    try:
+        write()
+        results["split"] = "complete"
+    except sharded_checkpoint.ShardsMissing as error:
+        results["split"] = str(error)
+    results["split_files"] = sorted(os.listdir(os.path.dirname(split)))
     logging.getLogger("framework.checkpoint.default").removeHandler(messages)
     dist.destroy_process_group()
     return results
@@ -217,3 +243,18 @@ def test_a_new_run_into_sharded_checkpoints_is_refused_on_every_rank(runs, tmp_p
     os.makedirs(tmp_path / "checkpoints" / checkpoint_name(3, ""))
     with pytest.raises(RunDirectoryInUse, match=checkpoint_name(3, "")):
         check_output_dir_free(str(tmp_path), resuming=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_each_rank_on_its_own_disk_is_refused_and_split_shards_are_never_marked_complete(runs):
+    out, (rank0, rank1) = runs
+    for index, rank in enumerate((rank0, rank1)):  # every rank stops, naming its own directory and rank 1
+        own = os.path.join(out, f"own-disk-{index}")
+        assert f"output_dir (--trainer.output_dir) {own!r} is not the same storage on every node" in rank["own_disk"]
+        assert "rank 1 (host" in rank["own_disk"] and "it is not there" in rank["own_disk"]
+        assert "shared filesystem" in rank["own_disk"] and "fsspec URL" in rank["own_disk"]
+    own = os.path.join(out, "own-disk-0")
+    assert not [name for name in os.listdir(own) if name != "checkpoints"] and not os.listdir(os.path.join(own, "checkpoints"))
+    assert "__1_0.distcp (absent)" in rank0["split"] and "not marked complete" in rank0["split"]
+    assert rank0["split_files"] == rank1["split_files"] == [f".{checkpoint_name(1, '')}.partial"]

@@ -33,6 +33,7 @@ from framework.run.run_directory import claim_run_directory
 from framework.run.run_identity import StartingIdentity
 from framework.run.run_lock import RunLock, claim_run_lock
 from framework.run.run_start import log_run_start
+from framework.run.shared_storage import check_shared_storage, run_directories
 
 logger = logging.getLogger("framework")
 
@@ -96,7 +97,8 @@ class TrainerSetup:
 
     def _setup_training(self) -> None:
         args = self.args
-        if not args.fast_dev_run:  # first: a second live run on this output_dir stops here
+        if not args.fast_dev_run:  # first: every rank sees the same directories, and no other live run uses them
+            check_shared_storage(run_directories(args.output_dir, self.checkpointer.save_dir), self.backend)
             self._run_lock = claim_run_lock(args.output_dir, self.backend)
         loader = self._create_train_loader()
         if self.wrapped_module is None:

@@ -50,6 +50,7 @@ ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 FirstJobId={first_job_id}
 MinJobAge=300
 KillWait=5

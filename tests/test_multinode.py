@@ -138,15 +138,16 @@ REQUEUED_JOB = """#!/bin/bash
 #SBATCH --requeue
 #SBATCH --open-mode=append
 echo "attempt restart_count=${{SLURM_RESTART_COUNT:-0}} on $(hostname)"
-srun {python} {script} {out} --backend ddp --signal-at 4
+srun {python} {script} {out} --backend {backend} --signal-at 4
 """
 
 
 @pytest.mark.slurm
-def test_a_requeued_two_node_job_resumes_bitwise(two_node_slurm_cluster, references, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_a_requeued_two_node_job_resumes_exactly(two_node_slurm_cluster, references, backend, tmp_path):  # noqa: F811
     cluster = two_node_slurm_cluster
     out, log, script = str(tmp_path / "requeued"), tmp_path / "job.log", tmp_path / "job.sbatch"
-    script.write_text(REQUEUED_JOB.format(python=sys.executable, script=SCRIPT, out=out))
+    script.write_text(REQUEUED_JOB.format(python=sys.executable, script=SCRIPT, out=out, backend=backend))
     submitted = cluster.run(["sbatch", "--parsable", f"--output={log}", str(script)], cwd=ROOT, env={"OMP_NUM_THREADS": "1"})
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
@@ -167,9 +168,10 @@ def test_a_requeued_two_node_job_resumes_bitwise(two_node_slurm_cluster, referen
     resumed = ranks(attempts[1])
     start = resumed[0][5]
     assert sorted(resumed) == [0, 1] and resumed[1][5] == start >= 4, output  # both resumed where they stopped
-    assert f"loaded checkpoint file://{out}/checkpoints/{checkpoint_name(start, '.pt')}" in attempts[1]
+    suffix = ".pt" if backend == "ddp" else ""  # fsdp: a directory of shards
+    assert f"loaded checkpoint file://{out}/checkpoints/{checkpoint_name(start, suffix)}" in attempts[1]
     assert output.count("FINISHED at step 8") == 1
-    assert_same_weights(out, references["ddp"], exact=True)
+    assert_same_weights(out, references[backend], exact=backend == "ddp")  # ddp: bitwise
 
 
 def assert_refused_before_step_1(output, directory, disks):

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from framework.checkpoint import DefaultCheckpointer
 from framework.run.shared_storage import TOKEN_PREFIX, StorageNotShared, _read_token, check_shared_storage, run_directories
 
 
@@ -27,14 +28,14 @@ class RankZeroOfTwo:
 
 
 def test_the_same_storage_everywhere_passes_and_leaves_nothing(tmp_path):
-    directories = run_directories(str(tmp_path / "run"), str(tmp_path / "run" / "checkpoints"))
+    directories = run_directories(str(tmp_path / "run"), DefaultCheckpointer(default_dir=str(tmp_path / "run" / "checkpoints")))
     check_shared_storage(directories, RankZeroOfTwo(directories))
     assert os.listdir(tmp_path / "run") == ["checkpoints"] and os.listdir(tmp_path / "run" / "checkpoints") == []
 
 
 def test_a_directory_rank_one_does_not_share_is_refused_by_name(tmp_path):
     out, elsewhere = str(tmp_path / "run"), str(tmp_path / "node2-disk")
-    directories = run_directories(out, None)
+    directories = {"output_dir (--trainer.output_dir)": out}
     with pytest.raises(StorageNotShared) as refused:
         check_shared_storage(directories, RankZeroOfTwo({"output_dir (--trainer.output_dir)": elsewhere}))
     message = str(refused.value)
@@ -48,5 +49,5 @@ def test_one_process_has_nothing_to_check(tmp_path):
     class One:
         world_size = 1
 
-    check_shared_storage(run_directories(str(tmp_path / "run"), None), One())
+    check_shared_storage({"output_dir (--trainer.output_dir)": str(tmp_path / "run")}, One())
     assert not (tmp_path / "run").exists()

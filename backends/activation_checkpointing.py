@@ -34,7 +34,7 @@ def checkpoint_units(module: torch.nn.Module) -> List[torch.nn.Module]:
 
     Raises:
         ValueError: the module has no units: ``sharding_units()`` returned none and it holds no
-            ``nn.ModuleList`` blocks.
+            ``nn.ModuleList`` / ``nn.ModuleDict`` blocks.
 
     Example:
         >>> net = torch.nn.Module()
@@ -46,8 +46,9 @@ def checkpoint_units(module: torch.nn.Module) -> List[torch.nn.Module]:
     if not units:
         raise ValueError(
             f"activation_checkpointing=True recomputes each unit of {type(module).__name__} in backward, but it has "
-            "none: sharding_units() returned none and it holds no nn.ModuleList blocks; define sharding_units() to "
-            "return the blocks to checkpoint (e.g. the transformer layers), or set activation_checkpointing=False"
+            "none: sharding_units() returned none and it holds no nn.ModuleList or nn.ModuleDict blocks; define "
+            "sharding_units() to return the blocks to checkpoint (e.g. the transformer layers), or set "
+            "activation_checkpointing=False"
         )
     for unit in units:
         if not getattr(unit, _MARK, False):

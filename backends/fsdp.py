@@ -26,7 +26,7 @@ class FSDP(DDP):
     """Shards parameters, gradients and optimizer state over the ranks (FSDP2), launched by torchrun.
 
     Units: the module's ``sharding_units()`` when it defines one, else every block of every
-    ``nn.ModuleList`` in it; then the root (everything left: embeddings, heads). With one rank
+    ``nn.ModuleList`` and ``nn.ModuleDict`` in it; then the root (everything left: embeddings, heads). With one rank
     nothing is sharded and it trains like ``sp``. Checkpoints are sharded (every rank writes
     its shards, ``torch.distributed.checkpoint``; see :mod:`backends.sharded_checkpoint`) and
     can be resumed on another world size, or read whole in one process.
@@ -115,6 +115,13 @@ class FSDP(DDP):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        if not units:
+            logger.warning(
+                "fsdp: %s has no sharding units (sharding_units() returned none and it holds no nn.ModuleList or "
+                "nn.ModuleDict blocks), so the whole model is one unit: every rank all-gathers all its parameters at "
+                "once; define sharding_units() to return the blocks to shard one by one",
+                type(target).__name__,
+            )
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32 if self.param_dtype else None)
         for unit in reversed(units):  # inner units before the blocks that contain them

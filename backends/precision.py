@@ -12,6 +12,8 @@ from backends.batch import map_tensors
 from backends.options import BackendArguments, option
 from backends.stateful import refuse_renamed_state_methods
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: a forward in full precision enters nothing
+
 P = TypeVar("P", bound="Precision")
 
 _AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -69,7 +71,7 @@ class Precision:
 
     def forward_context(self) -> ContextManager:
         """The context that train, val and test forwards run in."""
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate ``loss`` (already divided by the accumulation length); ``args`` and
@@ -245,8 +247,10 @@ class MixedPrecision(Precision):
 class TrueBF16(Precision):
     """Parameters, gradients and optimizer state in bfloat16, with no fp32 master copy.
 
-    The module is cast to bfloat16 before the strategy wraps it (so ``ddp`` reduces bf16
-    gradients and ``fsdp`` shards bf16 parameters), the optimizers are built on the bf16
+    The module's floating parameters and buffers are cast to bfloat16 before the strategy wraps
+    it (so ``ddp`` reduces bf16 gradients and ``fsdp`` shards bf16 parameters); complex and
+    integer ones keep their dtype (a rotary table ``freqs_cis`` in complex64 stays complex:
+    ``Module.to(torch.bfloat16)`` would keep only its real part). The optimizers are built on the bf16
     parameters (Adam's moments are bf16 too), and every floating tensor of a batch is cast to
     bfloat16 (integer labels and token ids stay as they are). Checkpoints hold bf16 weights.
     Half the memory of fp32 for the weights, gradients and optimizer state, and half the
@@ -259,6 +263,10 @@ class TrueBF16(Precision):
         >>> precision.setup(torch.device("cpu"), amp_dtype=None)
         >>> precision.convert_module(torch.nn.Linear(2, 2)).weight.dtype
         torch.bfloat16
+        >>> rotary = torch.nn.Module()
+        >>> rotary.register_buffer("freqs_cis", torch.polar(torch.ones(2), torch.zeros(2)))
+        >>> precision.convert_module(rotary).freqs_cis.dtype
+        torch.complex64
         >>> precision.convert_input((torch.ones(1), torch.tensor([3])))
         (tensor([1.], dtype=torch.bfloat16), tensor([3]))
     """
@@ -289,7 +297,7 @@ class TrueBF16(Precision):
             raise ValueError(f"true bf16 needs a GPU with bfloat16 support; {torch.cuda.get_device_name(device)} has none")
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module.to(torch.bfloat16)
+        return module._apply(_to_bfloat16)  # what Module.to does, for floating tensors only
 
     def convert_input(self, batch: Any) -> Any:
         return map_tensors(batch, _to_bfloat16)

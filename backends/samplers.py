@@ -20,6 +20,12 @@ class ResumableSampler(Sampler[int]):
     ``fast_forward(n)`` skips the next ``n`` indices of the current epoch without touching
     the dataset; it is how a run resumed mid-epoch continues where it stopped.
 
+    ``state_dict()`` is where it stands: the epoch and how many of this rank's indices of it
+    were handed out, counted while iterating. A loader that checkpoints its sampler, such as
+    torchdata's ``StatefulDataLoader``, resumes from there with ``load_state_dict()``. A state
+    of an earlier epoch than the one ``set_epoch`` selected does not move the sampler back: that
+    epoch starts from its first index (an epoch-end state does not replay its epoch).
+
     Example:
         >>> sampler = ResumableSampler(range(10), shuffle=True, seed=0)
         >>> sampler.set_epoch(1)
@@ -47,11 +53,15 @@ class ResumableSampler(Sampler[int]):
         self.pad = pad
         self.epoch = 0
         self.skip = 0
+        self.position = 0
+        """Indices of this epoch handed out so far, skipped ones included (``state_dict()``'s ``skip``)."""
+        self._epoch_set = False
 
     def set_epoch(self, epoch: int) -> None:
         """Select the order of ``epoch`` and forget any fast-forward."""
         self.epoch = epoch
-        self.skip = 0
+        self.skip = self.position = 0
+        self._epoch_set = True
 
     def fast_forward(self, num_indices: int) -> None:
         """Skip the first ``num_indices`` indices this rank would yield in the current epoch.
@@ -64,7 +74,7 @@ class ResumableSampler(Sampler[int]):
         """
         if isinstance(num_indices, bool) or not isinstance(num_indices, int) or num_indices < 0:
             raise ValueError(f"fast_forward(num_indices={num_indices!r}) is invalid; allowed: an integer >= 0")
-        self.skip = num_indices
+        self.skip = self.position = num_indices
 
     def _shard_size(self) -> int:
         if self.pad:
@@ -84,16 +94,37 @@ class ResumableSampler(Sampler[int]):
             missing = self.world_size - self.dataset_size % self.world_size
             indices += (indices * (missing // max(len(indices), 1) + 1))[:missing]
         shard = indices[self.rank :: self.world_size]
-        return iter(shard[self.skip :])
+        return self._counted(shard, self.skip)
+
+    def _counted(self, shard: List[int], start: int) -> Iterator[int]:
+        self.position = start
+        for index in shard[start:]:
+            self.position += 1  # before the yield: the index is handed out
+            yield index
 
     def state_dict(self) -> Dict[str, Any]:
-        """The epoch and skip count (the order itself is derived from the seed)."""
-        return {"epoch": self.epoch, "skip": self.skip}
+        """The epoch and the indices of it handed out so far (the order itself is derived from the seed).
+
+        Example:
+            >>> sampler = ResumableSampler(range(10), shuffle=True, seed=0)
+            >>> iterator = iter(sampler); first_three = [next(iterator) for _ in range(3)]
+            >>> sampler.state_dict()
+            {'epoch': 0, 'skip': 3}
+            >>> resumed = ResumableSampler(range(10), shuffle=True, seed=0)
+            >>> resumed.load_state_dict(sampler.state_dict())
+            >>> list(resumed) == list(sampler)[3:]
+            True
+        """
+        return {"epoch": self.epoch, "skip": self.position}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.epoch = int(state["epoch"])
-        self.skip = int(state["skip"])
+        """Continue where :meth:`state_dict` was taken: its epoch, from the next index. A state of
+        an earlier epoch than the one ``set_epoch`` selected (an epoch that has ended) leaves the
+        selected epoch, from its start."""
+        epoch, position = int(state["epoch"]), int(state["skip"])
+        if self._epoch_set and epoch < self.epoch:
+            position, epoch = 0, self.epoch
+        self.epoch, self.skip, self.position = epoch, position, position
 
 
 def interleave_ranks(per_rank: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:

@@ -10,20 +10,28 @@ logger = logging.getLogger(__name__)
 
 
 def default_units(module: torch.nn.Module) -> List[torch.nn.Module]:
-    """Every block of every ``nn.ModuleList`` inside ``module``, outermost first.
+    """Every block that holds parameters of every ``nn.ModuleList`` and ``nn.ModuleDict`` inside
+    ``module`` (a transformer's layers, kept in a list or, as torchtitan keeps them, in a dict),
+    outermost first. Blocks without parameters (activations, a ``ModuleDict`` of metrics) are not units.
 
     Example:
         >>> net = torch.nn.Module()
         >>> net.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        >>> net.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2), "act": torch.nn.ReLU()})
         >>> net.head = torch.nn.Linear(2, 1)
         >>> len(default_units(net))
-        2
+        3
     """
     units: List[torch.nn.Module] = []
     for submodule in module.modules():
-        if isinstance(submodule, torch.nn.ModuleList):
-            units.extend(block for block in submodule if block not in units)
+        if isinstance(submodule, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            blocks = submodule.values() if isinstance(submodule, torch.nn.ModuleDict) else submodule
+            units.extend(block for block in blocks if _holds_parameters(block) and all(block is not unit for unit in units))
     return units
+
+
+def _holds_parameters(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def module_units(module: torch.nn.Module) -> List[torch.nn.Module]:

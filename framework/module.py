@@ -111,8 +111,8 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     def sharding_units(self) -> Optional[List[torch.nn.Module]]:
         """The submodules that are sharded (``fsdp``) and compiled (``compile=True``) as one unit each.
 
-        None (the default): every block of every ``nn.ModuleList`` in the module (a
-        transformer's layers). Return a list of submodules to choose others; what no unit
+        None (the default): every block of every ``nn.ModuleList`` and ``nn.ModuleDict`` in
+        the module (a transformer's layers). Return a list of submodules to choose others; what no unit
         holds belongs to the root unit. See ``docs/distributed.md``.
         """
         return None

@@ -36,6 +36,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from pipelines import train_loader  # noqa: E402
 from toy import ToyModule, flat_parameters  # noqa: E402
 
 from framework import Trainer, TrainerArguments  # noqa: E402
@@ -62,6 +63,7 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--loggers", default="csv", help="TrainerArguments.loggers, comma-separated")
     parser.add_argument("--ema", type=float, default=None, help="an EMA callback with this decay")
     parser.add_argument("--swa-start", type=int, default=None, help="an SWA callback from this epoch")
+    parser.add_argument("--pipeline", default=None, help="a train loader of tests/pipelines.py (default: the toy's)")
     return parser.parse_args(argv)
 
 
@@ -69,6 +71,12 @@ class LoggingToy(ToyModule):
     """The toy MLP with dropout, which also logs a per-step accuracy (an epoch metric)."""
 
     step_sleep = 0.0
+    pipeline = None
+
+    def get_train_dataloader(self, sampler, batch_size):
+        if self.pipeline is None:
+            return super().get_train_dataloader(sampler, batch_size)
+        return train_loader(self.pipeline, self.train_ds, sampler, batch_size)
 
     def train_step(self, global_step, batch, device):
         if self.step_sleep:
@@ -211,6 +219,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     module = LoggingToy(n_train=options.n_train, n_val=32, dropout=0.2, lr=0.1)
     module.step_sleep = options.step_sleep
+    module.pipeline = options.pipeline
     rank = int(os.environ.get("RANK", 0))
     specs = specs_for_rank(options.kill, rank, options.kill_rank)
     checkpointer = CrashingCheckpointer(checkpointer_args, out=options.out, specs=specs)

@@ -374,3 +374,33 @@ def test_uneven_per_rank_streams_say_how_many_batches_are_dropped_per_epoch():
     )
     assert stream_share_problem(loader, [10, 10], [40, 40]) is None
     assert "no __len__" in stream_share_problem(loader, [None, None], [None, None])
+
+
+def test_the_sampler_state_is_its_position_and_an_epoch_end_state_does_not_replay_its_epoch():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from backends.samplers import ResumableSampler
+
+    data = TensorDataset(torch.arange(20))
+    loader = StatefulDataLoader(data, batch_size=4, sampler=ResumableSampler(data, shuffle=True, seed=3, rank=1, world_size=2))
+    loader.sampler.set_epoch(2)
+    whole = [batch[0].tolist() for batch in loader]
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    assert loader.sampler.state_dict() == {"epoch": 2, "skip": 4}  # one batch of 4 handed out
+    resumed = StatefulDataLoader(data, batch_size=4, sampler=ResumableSampler(data, shuffle=True, seed=3, rank=1, world_size=2))
+    resumed.sampler.set_epoch(2)
+    resumed.load_state_dict(state)
+    assert [batch[0].tolist() for batch in resumed] == whole[1:]  # the next batch, not the epoch's first
+
+    ended = loader.state_dict()  # after a whole epoch 2
+    next_epoch = StatefulDataLoader(
+        data, batch_size=4, sampler=ResumableSampler(data, shuffle=True, seed=3, rank=1, world_size=2)
+    )
+    next_epoch.sampler.set_epoch(3)
+    next_epoch.load_state_dict(ended)
+    third = [batch[0].tolist() for batch in next_epoch]
+    epoch_three = ResumableSampler(data, shuffle=True, seed=3, rank=1, world_size=2)
+    epoch_three.set_epoch(3)
+    assert [i for batch in third for i in batch] == list(epoch_three) != [i for batch in whole for i in batch]

@@ -7,13 +7,16 @@ from typing import Dict, Optional
 import torch
 
 from framework.callbacks.base import Callback
+from framework.callbacks.gpu_peaks import known_gpu
 
-# Dense bf16 tensor-core peaks per GPU (FLOP/s) by device-name fragment, as vendors publish them.
-KNOWN_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12, "V100": 125e12}
+KNOWN_PEAK_FLOPS: Dict[str, float] = {}
+"""Your own GPUs' dense peaks (FLOP/s) by device-name fragment, looked up before the published table
+(``framework.callbacks.gpu_peaks.KNOWN_GPUS``: H100 SXM/PCIe/NVL, H200, A100, L4, L40S, A10G, RTX 4090...)."""
 
 
 def known_peak_flops(device: torch.device) -> Optional[float]:
-    """The published dense bf16 peak of ``device`` in FLOP/s, or None when it is not a GPU this table knows.
+    """The dense bf16 peak of ``device`` in FLOP/s (fp16 on GPUs without bf16): a ``KNOWN_PEAK_FLOPS``
+    entry whose fragment is in the device's name, else the published table's; None when neither knows it.
 
     Example:
         >>> known_peak_flops(torch.device("cpu")) is None
@@ -22,7 +25,11 @@ def known_peak_flops(device: torch.device) -> Optional[float]:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((peak for fragment, peak in KNOWN_PEAK_FLOPS.items() if fragment in name), None)
+    mine = next((peak for fragment, peak in KNOWN_PEAK_FLOPS.items() if fragment in name), None)
+    if mine is not None:
+        return mine
+    found = known_gpu(name)
+    return None if found is None else 1e12 * found[1].get("bf16", found[1]["fp16"])
 
 
 class Throughput(Callback):
@@ -39,7 +46,7 @@ class Throughput(Callback):
 
     Args:
         peak_flops: peak FLOP/s of one device for ``mfu``; None: the published bf16 peak of a
-            known GPU (``KNOWN_PEAK_FLOPS``), else no ``mfu``.
+            known GPU (:func:`known_peak_flops`), else no ``mfu``.
 
     Example:
         trainer = Trainer(module, TrainerArguments(profiler="throughput"))  # or callbacks=[Throughput()]

@@ -1,0 +1,56 @@
+"""The framework's cost per optimizer step, counted (not timed), held to a budget.
+
+``benchmarks/step_cost.py`` counts aten ops, host-device syncs, fresh tensors, Python calls,
+collections and tracked objects per step of the framework and of the hand-written loop, long
+run minus short run (set-up cancels). The budget, per optimizer step of the tiny MLP on ``sp``
+(64 steps per epoch here, logging every 50 steps at the defaults):
+
+- aten ops: one ``detach`` per step (the loss kept for the epoch mean), at most 25 ops per
+  epoch (the epoch mean, read once) and at most 25 per logged step (the finiteness check and
+  the read-back);
+- host-device syncs: one per epoch, plus one per logged step at the defaults;
+- fresh tensors: at most one per step; no generation-2 collection, no growth of tracked objects;
+- Python calls: at most 55 more than the raw loop's (about 610) per step.
+
+A change that adds work to every step fails here with the ops or calls that it added.
+"""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import step_cost  # noqa: E402
+
+STEPS_PER_EPOCH, LOG_EVERY = 64, 50
+PER_EPOCH_OPS = PER_LOG_OPS = 25
+PYTHON_CALLS = 55
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return step_cost.measure(samples=STEPS_PER_EPOCH * step_cost.BATCH, epochs=[1, 2])
+
+
+@pytest.mark.parametrize("mode, logged", [("quiet", 0.0), ("defaults", 1.0 / LOG_EVERY)])
+def test_the_framework_adds_one_detach_per_step_and_work_only_at_epoch_ends_and_log_points(counts, mode, logged):
+    added = counts[f"{mode} - raw"]
+    detail = f"ops added per step: {added['ops by name']}"
+    assert added["ops by name"].get("detach", 0.0) <= 1.0 + PER_EPOCH_OPS / STEPS_PER_EPOCH, detail
+    assert added["aten ops"] <= 1.0 + PER_EPOCH_OPS / STEPS_PER_EPOCH + PER_LOG_OPS * logged, detail
+    assert added["host-device syncs"] <= 1.0 / STEPS_PER_EPOCH + logged + 1e-9, detail
+    assert added["fresh tensors"] <= 1.0, detail
+    assert counts["raw"]["aten ops"] > 150  # the counter saw the real step (forward, backward, AdamW)
+
+
+@pytest.mark.parametrize("mode", ["quiet", "defaults"])
+def test_the_framework_adds_few_python_calls_and_no_garbage_per_step(counts, mode):
+    added = counts[f"{mode} - raw"]
+    top = dict(list(added["calls by name"].items())[:15])
+    assert added["python calls"] <= PYTHON_CALLS, f"{added['python calls']:.1f} calls added per step; most: {top}"
+    assert counts["raw"]["python calls"] > 300
+    assert counts[mode]["collections gen 0/1/2"][2] == 0
+    assert added["tracked objects (net)"] <= 5.0, "objects the collector tracks grow with every step"

@@ -18,6 +18,7 @@ from backends.environments import (
     register_cluster_environment,
 )
 from backends.fsdp import FSDP
+from backends.model_parallel import ModelParallel
 from backends.options import BackendArguments, check_backend_options
 from backends.precision import FullPrecision, MixedPrecision, Precision, TrueBF16
 from backends.registry import available_backends, build_backend, register_backend
@@ -31,6 +32,7 @@ __all__ = [
     "ClusterEnvironment",
     "FullPrecision",
     "MixedPrecision",
+    "ModelParallel",
     "Precision",
     "ResumableSampler",
     "SingleProcess",

@@ -85,6 +85,20 @@ class TrainerBackend:
         return self.strategy.is_main_process
 
     @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this rank reads (see :attr:`Strategy.data_parallel_rank`)."""
+        return self.strategy.data_parallel_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares the data is split into; the global batch is divided over them."""
+        return self.strategy.data_parallel_size
+
+    def data_parallel_representatives(self) -> List[int]:
+        """One global rank per data-parallel rank, in order (the one that writes that share's outputs)."""
+        return self.strategy.data_parallel_representatives()
+
+    @property
     def options(self) -> Dict[str, Any]:
         """The backend options the strategy and the precision were built with, by their
         ``TrainerArguments`` names (see :func:`backends.options.check_backend_options`)."""
@@ -182,6 +196,10 @@ class TrainerBackend:
         return self.precision.convert_input(batch) if self._converts_input else batch
 
     # -- steps ----------------------------------------------------------------------
+    def check_module(self, module: torch.nn.Module) -> None:
+        """Refuse, before anything is built, a module the strategy cannot train (see :meth:`Strategy.check_module`)."""
+        self.strategy.check_module(module)
+
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module as the precision trains it (true bf16 casts it); called once, before
         :meth:`wrap_module` and before the optimizers are built."""
@@ -243,6 +261,13 @@ class TrainerBackend:
         """Make gradients true-sized before clipping."""
         self.precision.unscale_gradients(optimizers)
 
+    def clip_gradients(
+        self, parameters: Sequence[torch.Tensor], max_norm: Optional[float] = None, max_value: Optional[float] = None
+    ) -> Optional[torch.Tensor]:
+        """Clip gradients (already unscaled) by value and/or total norm, whatever the parameters'
+        meshes; returns the norm before clipping when ``max_norm`` is given (call on every rank)."""
+        return self.strategy.clip_gradients(parameters, max_norm, max_value)
+
     def step_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], closure: Any = None) -> bool:
         """Step the optimizers; False when the precision skipped the update."""
         return self.precision.step_optimizers(optimizers, closure)
@@ -250,6 +275,10 @@ class TrainerBackend:
     # -- collectives ----------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         return self.strategy.all_reduce(tensor, op)
+
+    def data_parallel_all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the data-parallel ranks (metrics: each share of the data counted once)."""
+        return self.strategy.data_parallel_all_reduce(tensor, op)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         return self.strategy.all_gather_object(obj)

@@ -22,6 +22,16 @@ logger = logging.getLogger(__name__)
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def reduce_over(tensor: torch.Tensor, op: str, size: int, group: Any = None) -> torch.Tensor:
+    """``tensor`` reduced (``mean``, ``sum``, ``max`` or ``min``) over the ``size`` ranks of ``group``
+    (None: every rank); a new tensor. Collective: call it on every rank of the group."""
+    if op != "mean" and op not in _REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is not supported; allowed: {['mean', *_REDUCE_OPS]}")
+    result = tensor.clone()
+    dist.all_reduce(result, op=_REDUCE_OPS["sum" if op == "mean" else op], group=group)
+    return result / size if op == "mean" else result
+
+
 class DDP(Strategy):
     """``torch.distributed`` data parallel, one process per device, under any launcher.
 
@@ -176,16 +186,9 @@ class DDP(Strategy):
         return _NO_CONTEXT
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        result = tensor.clone()
         if not self.distributed:
-            return result
-        if op == "mean":
-            dist.all_reduce(result, op=dist.ReduceOp.SUM)
-            return result / self.world_size
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"reduce op {op!r} is not supported; allowed: {['mean', *_REDUCE_OPS]}")
-        dist.all_reduce(result, op=_REDUCE_OPS[op])
-        return result
+            return tensor.clone()
+        return reduce_over(tensor, op, self.world_size)
 
     def all_gather_object(self, obj: Any) -> List[Any]:
         if not self.distributed:
@@ -220,7 +223,8 @@ class DDP(Strategy):
     def gather_in_dataset_order(self, outputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
         if not self.distributed:
             return outputs
-        return interleave_ranks(self.all_gather_object(map_tensors(outputs, torch.Tensor.cpu)))
+        gathered = self.all_gather_object(map_tensors(outputs, torch.Tensor.cpu))
+        return interleave_ranks([gathered[rank] for rank in self.data_parallel_representatives()])
 
     def preemption_agreed(self, signal_pending: bool, global_step: int) -> bool:
         """Agree on one stop step without a collective while no signal is pending.

@@ -112,24 +112,34 @@ class FSDP(DDP):
         if not self.distributed:
             self.compile_units(target, units)
             return module
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        mesh = self.sharding_mesh(target)
+        if mesh is None:  # nothing to shard over (one data-parallel rank)
+            self.compile_units(target, units)
+            return module
         if not units:
             logger.warning(
-                "fsdp: %s has no sharding units (sharding_units() returned none and it holds no nn.ModuleList or "
+                "%s: %s has no sharding units (sharding_units() returned none and it holds no nn.ModuleList or "
                 "nn.ModuleDict blocks), so the whole model is one unit: every rank all-gathers all its parameters at "
                 "once; define sharding_units() to return the blocks to shard one by one",
+                self.name,
                 type(target).__name__,
             )
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32 if self.param_dtype else None)
         for unit in reversed(units):  # inner units before the blocks that contain them
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
         self.compile_units(target, units)  # after sharding: FSDP's hooks stay outside the compiled code
-        logger.debug("rank %d: sharded %d unit(s) and the root over %d ranks", self.rank, len(units), self.world_size)
+        logger.debug("rank %d: sharded %d unit(s) and the root over %d ranks", self.rank, len(units), mesh.size())
         return module
+
+    def sharding_mesh(self, module: torch.nn.Module) -> Any:
+        """The mesh ``fully_shard`` shards over, once the module is ready for it (None: do not
+        shard); here every rank (a 1-D mesh)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (self.world_size,))
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         if not skip_gradient_sync or not hasattr(wrapped, "set_requires_gradient_sync"):

@@ -25,6 +25,7 @@ OPTION_DEFAULTS: Dict[str, Any] = {
     "find_unused_parameters": False,
     "ddp_timeout": 600.0,
     "reshard_after_forward": True,
+    "tensor_parallel_size": None,
     "amp_dtype": None,
 }
 """Every backend option, by its ``TrainerArguments`` name, with the value that means "not set"."""
@@ -35,14 +36,16 @@ CONSTRUCTOR_PARAMETERS: Dict[str, str] = {
     "compile": "the strategy's compile=",
     "find_unused_parameters": "DDP(find_unused_parameters=...)",
     "ddp_timeout": "DDP(timeout_seconds=...) or FSDP(timeout_seconds=...)",
-    "reshard_after_forward": "FSDP(reshard_after_forward=...)",
+    "reshard_after_forward": "FSDP(reshard_after_forward=...) or ModelParallel(reshard_after_forward=...)",
+    "tensor_parallel_size": "ModelParallel(tensor_parallel_size=...)",
     "amp_dtype": "MixedPrecision(dtype=...)",
 }
 """Where each option goes when a backend is built by hand."""
 
 APPLIES_TO: Dict[str, str] = {
     "find_unused_parameters": "the ddp backends (ddp, ddp-amp, ddp-bf16)",
-    "reshard_after_forward": "the fsdp backends (fsdp, fsdp-amp, fsdp-bf16)",
+    "reshard_after_forward": "the fsdp and model-parallel backends (fsdp*, model-parallel*)",
+    "tensor_parallel_size": "the model-parallel backends (model-parallel, model-parallel-amp, model-parallel-bf16)",
     "amp_dtype": "the mixed-precision backends (*-amp) and, as 'bfloat16', the true bf16 ones (*-bf16)",
     "ddp_timeout": "multi-process strategies (ddp, fsdp)",
 }
@@ -70,6 +73,7 @@ class BackendArguments(Protocol):
     find_unused_parameters: bool
     ddp_timeout: float
     reshard_after_forward: bool
+    tensor_parallel_size: Optional[int]
     amp_dtype: Optional[str]
 
 

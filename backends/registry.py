@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, TypeVar, Union
 from backends.base import TrainerBackend
 from backends.ddp import DDP
 from backends.fsdp import FSDP
+from backends.model_parallel import ModelParallel
 from backends.options import BackendArguments, check_backend_options, option
 from backends.plugins import register_entry_points
 from backends.precision import FullPrecision, MixedPrecision, TrueBF16
@@ -193,3 +194,10 @@ register_backend("fsdp-amp", lambda args: TrainerBackend(FSDP.from_arguments(arg
 register_backend("sp-bf16", lambda args: TrainerBackend(SingleProcess.from_arguments(args), TrueBF16.from_arguments(args)))
 register_backend("ddp-bf16", lambda args: TrainerBackend(DDP.from_arguments(args), TrueBF16.from_arguments(args)))
 register_backend("fsdp-bf16", lambda args: TrainerBackend(FSDP.from_arguments(args), TrueBF16.from_arguments(args)))
+register_backend("model-parallel", lambda args: TrainerBackend(ModelParallel.from_arguments(args), FullPrecision()))
+register_backend(
+    "model-parallel-amp", lambda args: TrainerBackend(ModelParallel.from_arguments(args), _amp(args, default_dtype="bfloat16"))
+)
+register_backend(
+    "model-parallel-bf16", lambda args: TrainerBackend(ModelParallel.from_arguments(args), TrueBF16.from_arguments(args))
+)

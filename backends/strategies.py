@@ -15,6 +15,7 @@ import torch
 
 from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
 from backends.environments import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
+from backends.gradient_clipping import clip_gradients
 from backends.options import BackendArguments, strategy_options
 from backends.samplers import ResumableSampler
 from backends.streams import shard_stream
@@ -124,6 +125,41 @@ class Strategy:
         """True on the rank that prints, logs and writes files."""
         return self.rank == 0
 
+    # -- data-parallel identity: what every reader of data reads, never the global rank ---------
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of the data this rank reads: samplers, stream shards, resume positions,
+        gathers and per-rank state go by it. Ranks that hold parts of one model replica (tensor
+        parallel peers) share it; here (one replica per rank) it is :attr:`rank`."""
+        return self.rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many distinct shares the data is split into (the global batch over them); here :attr:`world_size`."""
+        return self.world_size
+
+    def data_parallel_representatives(self) -> List[int]:
+        """One global rank per data-parallel rank, in data-parallel order (which entry of a list
+        gathered from every rank speaks for each share of the data)."""
+        return list(range(self.world_size))
+
+    def data_parallel_all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """``tensor`` reduced over the data-parallel ranks only (a sum counts each share of the
+        data once); here over every rank, as :meth:`all_reduce`."""
+        return self.all_reduce(tensor, op)
+
+    def check_module(self, module: torch.nn.Module) -> None:
+        """Refuse a module this strategy cannot train, before anything is built (the
+        model-parallel strategy needs a tensor-parallel plan); here every module is fine."""
+
+    def clip_gradients(
+        self, parameters: Sequence[torch.Tensor], max_norm: Optional[float] = None, max_value: Optional[float] = None
+    ) -> Optional[torch.Tensor]:
+        """Clip the gradients of ``parameters`` by value and/or total norm (whatever their meshes:
+        see :mod:`backends.gradient_clipping`); the norm before clipping when ``max_norm`` is given.
+        Collective where parameters are sharded: call it on every rank."""
+        return clip_gradients(parameters, max_norm, max_value)
+
     def setup(self) -> None:
         """Find the cluster environment (the ``cluster`` option, detected when None), take the
         ranks from it, check that the launch fits the strategy, and pick the device (subclasses
@@ -152,12 +188,14 @@ class Strategy:
         pads (no rank waits for another), evaluation does not (each sample counts once).
         """
         pad = shuffle if pad is None else pad
-        return ResumableSampler(dataset, shuffle=shuffle, seed=seed, rank=self.rank, world_size=self.world_size, pad=pad)
+        return ResumableSampler(
+            dataset, shuffle=shuffle, seed=seed, rank=self.data_parallel_rank, world_size=self.data_parallel_size, pad=pad
+        )
 
     def prepare_loader(self, loader: Any) -> Any:
         """The module's loader, ready for this rank: a stream (``IterableDataset``) is sharded by
-        rank and by loader worker (see :class:`~backends.streams.ShardedStream`)."""
-        return shard_stream(loader, self.rank, self.world_size)
+        data-parallel rank and by loader worker (see :class:`~backends.streams.ShardedStream`)."""
+        return shard_stream(loader, self.data_parallel_rank, self.data_parallel_size)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module that training forwards go through (``module``: the step runner)."""

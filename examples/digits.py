@@ -1,7 +1,7 @@
 """A digit classifier on scikit-learn's bundled 8x8 digits (no download)."""
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +44,14 @@ def load_digits_datasets(val_fraction: float, seed: int = 0):
 class DigitsClassifier(ModuleInterface):
     """An MLP that reaches ~97% validation accuracy on digits in a few seconds."""
 
-    def __init__(self, config: Optional[DigitsArguments] = None) -> None:
+    def __init__(
+        self, config: Optional[DigitsArguments] = None, optimizer: Optional[Callable[..., torch.optim.Optimizer]] = None
+    ) -> None:
+        """``optimizer``: ``params -> optimizer`` (e.g. from a config's ``optimizer`` section); default AdamW."""
         super().__init__()
         config = config or DigitsArguments()
         self.config = config
+        self.make_optimizer = optimizer
         self.net = torch.nn.Sequential(
             torch.nn.Linear(64, config.hidden_size),
             torch.nn.GELU(),
@@ -60,9 +64,12 @@ class DigitsClassifier(ModuleInterface):
         self.train_ds, self.val_ds = load_digits_datasets(config.val_fraction)
 
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.config.learning_rate, weight_decay=self.config.weight_decay)
+        if self.make_optimizer is None:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.config.learning_rate, weight_decay=self.config.weight_decay)
+        else:
+            optimizer = self.make_optimizer(self.parameters())
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=self.config.learning_rate, total_steps=estimated_global_steps_per_epoch * epochs
+            optimizer, max_lr=optimizer.defaults["lr"], total_steps=estimated_global_steps_per_epoch * epochs
         )
         return [optimizer], [scheduler]
 

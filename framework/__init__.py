@@ -7,6 +7,7 @@ Example:
 import importlib
 from typing import Any
 
+from framework import deprecated_paths
 from framework.data.rng import seed_everything
 from framework.data.sample_randomness import sample_generator, sample_seed
 from framework.loop.stage import Stage
@@ -15,6 +16,8 @@ from framework.metrics.loss_tracker import TrainingDiverged
 from framework.module import ModuleInterface
 from framework.run.arguments import TrainerArguments
 from framework.run.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+
+deprecated_paths.install()  # framework.config, framework.rng, ...: the paths earlier docs showed
 
 # Loaded on first use: the config parser (yaml), reading predictions back, plotting (matplotlib).
 _LAZY = {

@@ -1,11 +1,12 @@
 """ModuleInterface: what a user implements, and the dispatcher that DDP wraps."""
 
 import abc
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.utils.data import DataLoader
 
+from backends.model_parallel import DEFAULT_PARALLELIZE_MARK
 from framework.loop.hooks import TrainingHooks
 from framework.loop.manual_optimization import ManualOptimization, one_or_list
 from framework.loop.stage import Stage
@@ -117,6 +118,28 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         """
         return None
 
+    def tensor_parallel_plan(self) -> Optional[Dict[str, Any]]:
+        """How the ``model-parallel`` backends split this module's layers over the ``tp`` ranks:
+        submodule names relative to the module (wildcards as ``parallelize_module`` takes them)
+        to a ``ParallelStyle``, e.g. ``{"layers.*.mlp.up": ColwiseParallel(), "layers.*.mlp.down":
+        RowwiseParallel()}``. None (the default): no plan; define this or :meth:`parallelize` to
+        train on a model-parallel backend. See ``docs/model-parallel.md``.
+        """
+        return None
+
+    def parallelize(self, tp_mesh: Any) -> None:
+        """Split the module over ``tp_mesh`` (the ``tp`` axis), for full control; the default
+        applies :meth:`tensor_parallel_plan` with ``parallelize_module``. Called once by the
+        ``model-parallel`` backends, before activation checkpointing, compile and FSDP2."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = self.tensor_parallel_plan()
+        if plan is None:
+            raise ValueError(f"{type(self).__name__} defines neither tensor_parallel_plan() nor parallelize(tp_mesh)")
+        parallelize_module(self, tp_mesh, plan)
+
+    setattr(parallelize, DEFAULT_PARALLELIZE_MARK, True)  # the strategy applies the plan itself
+
     def get_state(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the module: by default its ``state_dict``."""
         return {"model": self.state_dict()}
@@ -197,11 +220,13 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     def log(
         self,
         name: str,
-        value: Union[torch.Tensor, float],
+        value: Union[torch.Tensor, float, Any],
         on_step: bool = False,
         on_epoch: bool = True,
         reduce: str = "mean",
         batch_size: Optional[int] = None,
+        prog_bar: bool = False,
+        sync_dist: bool = True,
     ) -> None:
         """Record a metric from inside a step; it stays on the device until it is written.
 
@@ -211,10 +236,26 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         ``batch_size`` (default: the first dimension of the step's batch's first tensor, as
         Lightning infers it; 1 outside a step), so the epoch value is the mean over samples on
         any world size. Outside a trainer this does nothing.
+
+        ``value`` may be a torchmetrics ``Metric`` (as in Lightning): update it in the step
+        yourself (``self.acc.update(preds, y)`` or ``self.acc(preds, y)``) and log the object;
+        at the epoch's end the trainer calls its ``compute()`` (torchmetrics syncs it over
+        ranks) and then ``reset()``. ``prog_bar=True`` shows the value on the progress bar.
+        ``sync_dist`` is accepted for Lightning code and changes nothing: values are always
+        reduced over ranks, at log points and epoch ends only, so it costs no extra sync.
+
+        Example:
+            self.log("val_acc", self.val_acc, prog_bar=True)   # self.val_acc: torchmetrics Accuracy
         """
+        if prog_bar:
+            self.__dict__.setdefault("_prog_bar_names", set()).add(name)
         metric_logger = self._metric_logger
         if metric_logger is not None:
             metric_logger.log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce, batch_size=batch_size)
+
+    def progress_bar_names(self) -> Set[str]:
+        """The names logged with ``prog_bar=True`` so far (what the progress bar shows)."""
+        return set(self.__dict__.get("_prog_bar_names", ()))
 
 
 class StepRunner(torch.nn.Module):

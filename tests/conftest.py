@@ -8,6 +8,8 @@ sys.path.insert(0, HERE)
 
 # Tests run on CPU; keep each process to few threads so 2-rank DDP tests share 2 cores well.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No metrics.png at the end of every test run (it costs a fraction of a second each); tests of it set plot_metrics=True.
+os.environ.setdefault("FRAMEWORK_PLOT_METRICS", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,7 @@ process; the 2-rank ddp and fsdp runs are in ``test_memory_distributed.py``."""
 
 import pytest
 import torch
+from logs import captured_log
 
 from tiny_transformer import TinyTransformer
 from toy import ToyModule, toy_args
@@ -51,15 +52,18 @@ def test_gradients_equal_without_it_and_fewer_activations_are_kept():
         assert torch.equal(checkpointed.eval()(tokens), plain.eval()(tokens))
 
 
-def test_training_with_it_ends_with_the_same_weights(tmp_path):
-    weights = {}
+def test_training_with_it_ends_with_the_same_weights_and_the_log_says_it_once(tmp_path):
+    weights, said = {}, {}
     for on in (False, True):
-        trainer = Trainer(
-            TinyTransformer(), toy_args(tmp_path / str(on), epochs=1, train_batch_size=16, activation_checkpointing=on)
-        )
-        trainer.train()
+        args = toy_args(tmp_path / str(on), epochs=1, train_batch_size=16, activation_checkpointing=on, log_level="INFO")
+        trainer = Trainer(TinyTransformer(), args)
+        with captured_log() as messages:
+            trainer.train()
         weights[on] = torch.cat([p.detach().flatten() for p in trainer.module.parameters()])
+        said[on] = [message for message in messages if message.startswith("activation checkpointing")]
     assert (weights[True] - weights[False]).abs().max().item() <= 1e-6
+    units = len(trainer.module.blocks)
+    assert said == {False: [], True: [f"activation checkpointing: {units} units (Block) recompute their activations in backward"]}
 
 
 def test_a_module_without_units_is_refused_naming_sharding_units(tmp_path):

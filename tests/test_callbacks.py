@@ -371,7 +371,7 @@ def test_progress_bar_shows_steps_rate_and_logged_loss(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "epoch 1/1" in err and "8/8" in err and "step/s" in err
     # The loss logged at step 6 is shown from step 7 on (the postfix waits for the next redraw).
-    assert "7/8 [" in err and f"loss={history.values('train_loss')[-2]:.4f}]" in err
+    assert "7/8 [" in err and f"loss={history.values('train_loss')[-2]:.4f}, run ETA=00:0" in err
 
 
 def test_progress_bar_resumed_mid_epoch_starts_at_the_resumed_step(tmp_path, capsys):

@@ -50,22 +50,30 @@ class StepCounter(Callback):
         self.steps += 1
 
 
-def run_args(output_dir: Any, epochs: int = 2, stop_on_nonfinite_loss: bool = True, **checkpointer: Any) -> TrainerArguments:
+def run_args(
+    output_dir: Any, epochs: int = 2, stop_on_nonfinite_loss: bool = True, in_use: str = "error", **checkpointer: Any
+) -> TrainerArguments:
     return TrainerArguments(
         epochs=epochs,
         train_batch_size=32,
         disable_tqdm=True,
         log_level="WARNING",
         output_dir=str(output_dir),
+        output_dir_in_use=in_use,
         stop_on_nonfinite_loss=stop_on_nonfinite_loss,
         checkpointer_args=DefaultCheckpointerArguments(**checkpointer),
     )
 
 
 def train(
-    output_dir: Any, epochs: int = 2, callbacks: tuple = (), stop_on_nonfinite_loss: bool = True, **checkpointer: Any
+    output_dir: Any,
+    epochs: int = 2,
+    callbacks: tuple = (),
+    stop_on_nonfinite_loss: bool = True,
+    in_use: str = "error",
+    **checkpointer: Any,
 ) -> Trainer:
-    arguments = run_args(output_dir, epochs, stop_on_nonfinite_loss, **checkpointer)
+    arguments = run_args(output_dir, epochs, stop_on_nonfinite_loss, in_use, **checkpointer)
     trainer = Trainer(ToyModule(n_train=128, scheduler="step"), arguments, callbacks=callbacks)
     trainer.train()
     return trainer
@@ -134,6 +142,28 @@ def test_rerun_without_resume_is_refused_before_step_one_and_leaves_every_file(t
     other = StepCounter()  # the second way on: another output_dir
     train(tmp_path / "run2", epochs=1, callbacks=(other,))
     assert other.steps == STEPS_PER_EPOCH
+
+
+def test_a_rerun_by_default_trains_in_a_new_version_directory_and_says_so_once(tmp_path, framework_log):
+    out = tmp_path / "run"
+    train(out, epochs=1, in_use="new_version")
+    before = snapshot(out)
+    second = train(out, epochs=1, in_use="new_version")
+    third = train(out, epochs=1, in_use="new_version")
+    assert second.args.output_dir == str(out / "version_1") and third.args.output_dir == str(out / "version_2")
+    for version in ("version_1", "version_2"):
+        assert {"metrics.csv", "config.yaml", f"checkpoints/{checkpoint_name(STEPS_PER_EPOCH)}"} <= set(snapshot(out / version))
+    assert {name: data for name, data in snapshot(out).items() if not name.startswith("version_")} == before
+    said = [message for message in framework_log if "holds another run: this run writes to" in message]
+    assert said == [
+        f"output_dir {out} holds another run: this run writes to {out / version} (--checkpointer.resume auto continues "
+        "the run there instead; --trainer.output_dir_in_use error refuses)"
+        for version in ("version_1", "version_2")
+    ]
+    resumed = train(out, epochs=2, in_use="new_version", resume="auto")  # resume: the run in output_dir itself
+    assert resumed.args.output_dir == str(out) and resumed.global_steps_finished == 2 * STEPS_PER_EPOCH
+    with pytest.raises(ValueError, match=r"output_dir_in_use='ask' is invalid; allowed: one of \('new_version', 'error'\)"):
+        run_args(out, in_use="ask")
 
 
 def test_explicit_save_dir_of_another_run_is_refused(tmp_path):
@@ -218,6 +248,7 @@ def _ddp_rerun(rank: int, out: str) -> str:
         disable_tqdm=True,
         log_level="ERROR",
         output_dir=out,
+        output_dir_in_use="error",
         ddp_timeout=30,
     )
     trainer = Trainer(ToyModule(n_train=128), args)

@@ -33,6 +33,11 @@ def run(arguments, cwd):
             "examples/run.py: error: section 'trainer': TrainerArguments.epochs=0 is invalid; allowed: an integer >= 1",
         ),
         (["--config", "missing.yaml"], "examples/run.py: error: config file 'missing.yaml' does not exist"),
+        (
+            ["--backend", "dpp"],
+            "examples/run.py: error: trainer.backend='dpp' (from command line): unknown backend; did you mean 'ddp'? "
+            "available backends: ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, sp, sp-amp, sp-bf16",
+        ),
     ],
 )
 def test_the_example_reports_config_errors_like_argparse(tmp_path, argv, message):
@@ -58,3 +63,29 @@ def test_parse_config_on_sys_argv_exits_and_with_explicit_argv_raises(tmp_path):
     assert good.returncode == 0 and good.stdout == "parsed\n"
     with pytest.raises(ConfigError, match=re.escape("unknown config key 'trainer.max_step'")):
         parse_config(argv=["--trainer.max_step", "3"])
+
+
+def test_every_mistake_of_a_yaml_file_and_the_command_line_is_named_at_once(tmp_path):
+    (tmp_path / "bad.yaml").write_text("trainer:\n  epoch: 3\n  seed: many\ncheckpointer:\n  keep_last: 2\n")
+    result = run([os.path.join(ROOT, "examples", "run.py"), "--config", "bad.yaml", "--backend", "fsdp-bf17"], cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[1:] == [
+        "examples/run.py: error: 4 config errors:",
+        "  unknown config key 'trainer.epoch' (from bad.yaml); did you mean 'trainer.epochs'?",
+        "  trainer.seed='many' (from bad.yaml): expected an integer, got 'many'",
+        "  unknown config key 'checkpointer.keep_last' (from bad.yaml); did you mean 'checkpointer.keep_last_n'?",
+        "  trainer.backend='fsdp-bf17' (from command line): unknown backend; did you mean 'fsdp-bf16'? "
+        "available backends: ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, sp, sp-amp, sp-bf16",
+    ]
+
+
+def test_a_directory_holding_another_run_is_one_line_and_a_failing_exit(tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "metrics.csv").write_text("epoch,step,name,value\n0,1,train_loss,1.0\n")
+    arguments = ["--trainer.output_dir", "taken", "--trainer.output_dir_in_use", "error", "--trainer.epochs", "1"]
+    result = run([os.path.join(ROOT, "examples", "run.py"), *arguments], cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr and result.stdout == ""
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith("examples/run.py: error: output_dir 'taken' already holds another run's files (metrics.csv)")
+    assert "--checkpointer.resume auto" in last

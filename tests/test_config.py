@@ -2,10 +2,12 @@
 and the config.yaml the trainer writes."""
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import List, Literal, Optional, Tuple, Union
 
 import pytest
+import torch
 import yaml
 
 from toy import ToyModule
@@ -268,3 +270,64 @@ def test_the_trainer_writes_the_resolved_config_with_user_sections(tmp_path):
     args = TrainerArguments(epochs=1, output_dir=str(tmp_path / "dev"), disable_tqdm=True, log_level="WARNING", fast_dev_run=True)
     Trainer(ToyModule(val_loaders=0), args).train()
     assert not (tmp_path / "dev" / "config.yaml").exists()
+
+
+# -- LightningCLI-style class_path / init_args, --print_config ---------------------------------
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+@pytest.fixture
+def examples_on_path(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)  # class_path: digits.DigitsClassifier
+
+
+def test_class_path_builds_the_module_and_its_optimizer(tmp_path, examples_on_path):
+    cli_yaml = f"{EXAMPLES}/digits_cli.yaml"
+    config = parse_config(
+        argv=["--config", cli_yaml, "--optimizer.class_path", "torch.optim.SGD", "--optimizer.init_args.lr", "0.05",
+              "--optimizer.init_args.weight_decay", "0", "--model.init_args.config.init_args.hidden_size", "16"]
+    )  # fmt: skip
+    module = config.build_module(default=lambda: pytest.fail("the model section has a class_path"))
+    assert type(module).__name__ == "DigitsClassifier" and module.config.hidden_size == 16 and module.config.dropout == 0.1
+    (optimizer,), (_schedule,) = module.get_optimizers_schedulers(estimated_global_steps_per_epoch=4, epochs=2)
+    assert type(optimizer) is torch.optim.SGD and optimizer.defaults["lr"] == 0.05
+    assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in module.parameters()}
+    assert config.trainer.output_dir == "outputs/digits-cli"  # the other sections as before
+    # The saved config (config.yaml) holds the specs and loads back to the same module.
+    config.save(str(tmp_path / "config.yaml"))
+    again = parse_config(argv=["--config", str(tmp_path / "config.yaml")])
+    assert again.class_specs == config.class_specs and again.to_dict() == config.to_dict()
+    assert parse_config(argv=[]).build_module(default=lambda: "default") == "default"  # no class_path: the default
+
+
+def test_class_path_mistakes_are_config_errors_named_at_once(examples_on_path):
+    with pytest.raises(ConfigError) as error:
+        parse_config(
+            argv=["--config", f"{EXAMPLES}/digits_cli.yaml", "--model.init_args.config.init_args.hiden", "3",
+                  "--optimizer.class_path", "torch.optim.AdamX", "--trainer.epoch", "2"]
+        )  # fmt: skip
+    assert str(error.value).splitlines() == [
+        "3 config errors:",
+        "  model.init_args.config.init_args.hiden: digits.DigitsArguments takes no argument 'hiden'; did you mean 'hidden_size'?",
+        "  optimizer.class_path: class_path 'torch.optim.AdamX': torch.optim has no 'AdamX'; did you mean 'torch.optim.Adam'?",
+        "  unknown config key 'trainer.epoch' (from command line); did you mean 'trainer.epochs'?",
+    ]
+    specs = {"model": {"class_path": "toy.ToyModule"}, "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 1}}}
+    with pytest.raises(ValueError, match=r"toy\.ToyModule takes no 'optimizer' argument"):
+        _with_specs(specs).build_module()
+
+
+def _with_specs(specs):
+    config = RunConfig({})
+    config.class_specs = specs
+    return config
+
+
+def test_print_config_prints_the_resolved_yaml_and_exits(capsys, examples_on_path):
+    with pytest.raises(SystemExit) as exited:
+        parse_config(argv=["--config", f"{EXAMPLES}/digits_cli.yaml", "--optimizer.init_args.lr", "0.01", "--print_config"])
+    assert exited.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optimizer"] == {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01, "weight_decay": 0.0001}}
+    assert printed["trainer"]["epochs"] == 10 and printed["checkpointer"]["keep_last_n"] == 2

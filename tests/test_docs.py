@@ -45,3 +45,26 @@ def test_one_version_and_the_license_setup_cfg_names():
     assert framework.__version__.count(".") == 2
     assert "license = MIT" in setup_cfg and read("LICENSE").startswith("MIT License")
     assert "## [Unreleased]" in read("CHANGELOG.md")
+
+
+def test_the_numbers_the_docs_quote_are_the_ones_the_example_logs(monkeypatch):
+    from framework.checkpoint.plan import describe_checkpointing
+    from framework.run.config import parse_config
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    from digits import DigitsArguments
+
+    config = parse_config({"model": DigitsArguments}, argv=["--config", os.path.join(ROOT, "examples", "digits.yaml")])
+    logged = describe_checkpointing(config.checkpointer, os.path.join(config.trainer.output_dir, "checkpoints"))
+    assert logged in " ".join(read("docs/getting-started.md").split())  # the page quotes the line the example logs
+
+
+def test_the_cpu_install_is_the_first_thing_a_linux_user_reads_and_every_backend_is_in_the_table():
+    from backends import available_backends
+
+    readme = read("README.md")
+    cpu_install = readme.index("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    assert cpu_install < readme.index("pip install -e")  # before the first install command
+    table = readme[readme.index("## Backends") :]
+    table = table[: table.index("\n\n", table.index("| name |"))]
+    assert [name for name in available_backends() if f"`{name}`" not in table] == []

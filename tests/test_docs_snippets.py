@@ -3,7 +3,9 @@
 Each block is written to a file in a fresh temporary directory and run there in a new
 Python process (``PYTHONPATH`` = the repository root), so a block cannot lean on another
 block, on files a previous run left behind, or on names defined in the test. A block that
-is deliberately not runnable is written with another fence (```text, ```bash, ...).
+is deliberately not runnable is written with another fence (```text, ```bash, ...) and, when it
+looks like Python, says so on its first line (``# a fragment ...`` or ``# pseudo-code ...``).
+A number in a ``print(...)  # 0.9259 on torch ...`` comment is what the block prints.
 """
 
 import glob
@@ -17,6 +19,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md", *sorted(os.path.relpath(path, ROOT) for path in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+_ANY_BLOCK = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+_LOOKS_LIKE_PYTHON = re.compile(r"^(from \w[\w.]* import |import \w|class \w+\(|def \w+\()|Trainer\(", re.MULTILINE)
+_PRINTED = re.compile(r"^print\(.*\)\s+#\s*(-?[0-9]+\.[0-9]+) on torch", re.MULTILINE)
 
 
 def python_blocks():
@@ -44,3 +49,18 @@ def test_block_runs_standalone(code, tmp_path):
         [sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, f"the block failed:\n{code}\n--- stderr ---\n{result.stderr[-3000:]}"
+    for number in _PRINTED.findall(code):  # the figure the page shows is the one printed
+        assert number in result.stdout, f"the page says {number}, the block printed:\n{result.stdout}"
+
+
+def test_a_block_that_looks_runnable_is_a_python_block_or_says_it_is_a_fragment():
+    hidden = []
+    for page in PAGES:
+        with open(os.path.join(ROOT, page)) as handle:
+            text = handle.read()
+        for match in _ANY_BLOCK.finditer(text):
+            language, body = match.groups()
+            marked = body.lstrip().startswith(("# a fragment", "# pseudo-code"))
+            if language != "python" and _LOOKS_LIKE_PYTHON.search(body) and not marked:
+                hidden.append(f"{page}:{text.count(chr(10), 0, match.start()) + 1}")
+    assert hidden == [], f"python-looking blocks that do not run: fence them as python (and make them run) or mark them {hidden}"

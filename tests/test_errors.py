@@ -22,7 +22,7 @@ def test_wrong_train_step_return_type(tmp_path):
 
 
 def test_unknown_backend_lists_known_names():
-    known = "ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, sp, sp-amp, sp-bf16"
+    known = "ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, model-parallel, model-parallel-amp, model-parallel-bf16, sp, "
     with pytest.raises(ValueError, match=rf"unknown backend 'tpu'.*{known}"):
         Trainer(ToyModule(), TrainerArguments(backend="tpu"))
 

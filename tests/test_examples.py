@@ -20,6 +20,8 @@ def test_digits_example_default_config_reaches_95_percent(tmp_path, capsys):
         sys.path.remove(os.path.join(ROOT, "examples"))
     assert accuracy >= 0.95
     assert "final val_accuracy=" in capsys.readouterr().out
+    with open(os.path.join(ROOT, "README.md")) as handle:  # the README quotes what the example prints (torch 2.13 CPU)
+        assert f"`final val_accuracy={accuracy:.4f}`" in handle.read()
     assert (tmp_path / "metrics.csv").exists() and (tmp_path / "config.yaml").exists()
     # digits.yaml: 10 epochs of 23 steps, a checkpoint every 5 epochs, keep the last 2.
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint-000000115.pt", "checkpoint-000000230.pt"]

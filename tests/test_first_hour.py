@@ -188,7 +188,7 @@ def test_progress_writes_plain_lines_when_stderr_is_not_a_terminal(tmp_path, mon
     last_losses = [value for step, value in history.steps("train_loss") if step % STEPS_PER_EPOCH == 0]
     assert len(messages) == 2
     for epoch, (message, loss) in enumerate(zip(messages, last_losses), start=1):
-        assert re.fullmatch(rf"epoch {epoch}/2: 8/8 steps, [0-9.]+ step/s, loss {loss:.4f}", message), message
+        assert re.fullmatch(rf"epoch {epoch}/2: 8/8 steps, [0-9.]+ step/s, loss {loss:.4f}, run ETA 00:00", message), message
 
     # No throttle: a line at every 10% mark (8 steps: every step).
     args = make_args(tmp_path, "every", epochs=1, disable_tqdm=False, log_every_n_steps=4, model_summary=False)

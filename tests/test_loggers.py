@@ -15,8 +15,16 @@ from tracking import csv_points, mlflow_artifacts, mlflow_points, mlflow_runs, w
 from toy import ToyModule, toy_args
 
 from framework import Trainer
+from framework.callbacks import Callback
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.loggers import Logger, available_loggers, build_loggers, register_logger, unregister_logger
+from framework.loggers import (
+    Logger,
+    LoggerStartFailed,
+    available_loggers,
+    build_loggers,
+    register_logger,
+    unregister_logger,
+)
 from framework.loggers.csv_logger import CSVLogger
 from framework.loggers.tensorboard_logger import TensorBoardLogger
 from framework.run.config import parse_config
@@ -79,16 +87,33 @@ def test_registered_and_instance_loggers_receive_metrics_and_a_failing_one_never
     assert f"checkpoint-{trainer.global_steps_finished:09d}.pt" in os.listdir(tmp_path / "checkpoints")
 
 
-def test_an_unreachable_mlflow_server_is_named_once_and_training_completes(tmp_path, monkeypatch, framework_log):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # a tracking server that is down
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+class CountSteps(Callback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_end_optimizer_step(self, global_step):
+        self.steps += 1
+
+
+@pytest.mark.parametrize(
+    "environment, cause",
+    [
+        ({"MLFLOW_TRACKING_URI": "http://127.0.0.1:9", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}, "127.0.0.1"),  # server down
+        ({"MLFLOW_TRACKING_URI": "file:mlruns", "MLFLOW_ALLOW_FILE_STORE": ""}, "MLFLOW_ALLOW_FILE_STORE"),  # store refused
+    ],
+    ids=["unreachable-server", "refused-file-store"],
+)
+def test_a_tracker_that_cannot_start_is_an_error_before_step_one(tmp_path, monkeypatch, environment, cause):
+    monkeypatch.chdir(tmp_path)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value) if value else monkeypatch.delenv(name, raising=False)
     checkpoints = DefaultCheckpointerArguments(save_dir=str(tmp_path / "checkpoints"))
-    trainer = Trainer(ToyModule(n_train=64), toy_args(tmp_path, loggers=["csv", "mlflow"], checkpointer_args=checkpoints))
-    history = trainer.train()
-    failures = [message for message in framework_log if "logger 'mlflow' failed" in message]
-    assert len(failures) == 1, framework_log
-    assert sum(csv_points(str(tmp_path / "run")).values()) == len(history.records) > 0
-    assert f"checkpoint-{trainer.global_steps_finished:09d}.pt" in os.listdir(tmp_path / "checkpoints")
+    counter = CountSteps()
+    args = toy_args(tmp_path, loggers=["csv", "mlflow"], checkpointer_args=checkpoints)
+    with pytest.raises(LoggerStartFailed, match=r"logger 'mlflow' could not start \(") as failed:
+        Trainer(ToyModule(n_train=64), args, callbacks=[counter]).train()
+    assert cause in str(failed.value) and "--trainer.loggers" in str(failed.value)
+    assert counter.steps == 0 and not os.path.exists(tmp_path / "checkpoints")
 
 
 def run_script(out, env, *arguments, expect):

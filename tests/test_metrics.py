@@ -69,7 +69,7 @@ def test_collector_reduces_over_the_epoch_and_keeps_the_latest_step_value():
             lambda c: (c.log("x", 1.0), c.log("x", 1.0, reduce="sum")),
             "log('x', reduce='sum'): this metric was logged with reduce='mean'",
         ),
-        (lambda c: c.log("x", "high"), "expected a tensor or a number, got str"),
+        (lambda c: c.log("x", "high"), "expected a tensor, a number or a torchmetrics Metric, got str"),
         (lambda c: c.log("", 1.0), "the name must be a non-empty string"),
     ],
 )

@@ -86,3 +86,35 @@ def test_python_dash_m_framework_plot(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"wrote {tmp_path / 'metrics.png'}"
     assert matplotlib.image.imread(str(tmp_path / "metrics.png")).ndim == 3
+
+
+def test_a_run_draws_metrics_png_at_its_end_with_a_log_axis_for_losses(tmp_path, monkeypatch, framework_log):
+    import matplotlib.figure
+
+    from toy import ToyModule, toy_args
+
+    from framework import Trainer
+    from framework.callbacks import MetricsPlot
+    from framework.callbacks.metrics_plot import plots_by_default
+
+    scales = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def savefig(figure, *args, **kwargs):  # read the axes the PNG is drawn from
+        scales.update({axis.get_title(): axis.get_yscale() for axis in figure.axes if axis.get_visible()})
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    trainer = Trainer(ToyModule(), toy_args(tmp_path, epochs=2, log_every_n_steps=2, plot_metrics=True, log_level="INFO"))
+    trainer.train()
+    png = tmp_path / "run" / "metrics.png"
+    assert matplotlib.image.imread(str(png)).shape[2] in (3, 4)
+    assert scales == {"loss": "log"}
+    assert f"metrics plot: {png}" in framework_log
+
+    # The default: on where matplotlib is installed, unless FRAMEWORK_PLOT_METRICS=0 (this suite sets it).
+    monkeypatch.delenv("FRAMEWORK_PLOT_METRICS")
+    assert plots_by_default(None) and not plots_by_default(False)
+    assert any(isinstance(callback, MetricsPlot) for callback in Trainer(ToyModule(), toy_args(tmp_path / "b")).callbacks)
+    monkeypatch.setenv("FRAMEWORK_PLOT_METRICS", "0")
+    assert not plots_by_default(None)

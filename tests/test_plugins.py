@@ -26,7 +26,8 @@ from backends import (
 from framework import Trainer, TrainerArguments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILT_INS = ["ddp", "ddp-amp", "ddp-bf16", "fsdp", "fsdp-amp", "fsdp-bf16", "sp", "sp-amp", "sp-bf16"]
+BUILT_INS = ["ddp", "ddp-amp", "ddp-bf16", "fsdp", "fsdp-amp", "fsdp-bf16"]
+BUILT_INS += ["model-parallel", "model-parallel-amp", "model-parallel-bf16", "sp", "sp-amp", "sp-bf16"]
 
 PLUGIN_SOURCE = '''
 """A tiny third-party backend package, found through its entry points."""
@@ -114,7 +115,7 @@ def test_taken_name_is_an_error_unless_override():
 
 
 def test_unknown_name_lists_the_known_names():
-    message = "unknown backend 'dpp'; available backends: ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, sp, sp-amp, sp-bf16"
+    message = f"unknown backend 'dpp'; available backends: {', '.join(BUILT_INS)}"
     with pytest.raises(ValueError, match=re.escape(message)):
         build_backend("dpp")
     with pytest.raises(ValueError, match=re.escape(message)):

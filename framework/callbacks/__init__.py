@@ -9,6 +9,7 @@ from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.early_stopping import EarlyStopping
 from framework.callbacks.ema import EMA
 from framework.callbacks.lr_monitor import LearningRateMonitor
+from framework.callbacks.metrics_plot import MetricsPlot
 from framework.callbacks.model_summary import ModelSummary
 from framework.callbacks.profiler import TorchProfiler
 from framework.callbacks.progress import ProgressBar
@@ -24,6 +25,7 @@ __all__ = [
     "Callback",
     "EarlyStopping",
     "LearningRateMonitor",
+    "MetricsPlot",
     "ModelSummary",
     "ProgressBar",
     "StopTraining",

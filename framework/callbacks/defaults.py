@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING, List, Sequence
 
 from framework.callbacks.base import Callback
+from framework.callbacks.metrics_plot import MetricsPlot, plots_by_default
 from framework.callbacks.model_summary import ModelSummary
 from framework.callbacks.profiler import TorchProfiler
 from framework.callbacks.progress import ProgressBar
@@ -16,12 +17,15 @@ def with_default_callbacks(callbacks: Sequence[Callback], args: "TrainerArgument
     """``callbacks`` with the defaults put first: a :class:`ModelSummary` (unless
     ``args.model_summary`` is False) and a :class:`ProgressBar` (unless ``args.disable_tqdm``),
     each only when ``callbacks`` holds none of its kind; with ``args.profiler`` ``"throughput"`` or
-    ``"torch"`` a :class:`Throughput`, and with ``"torch"`` a :class:`TorchProfiler`, likewise.
+    ``"torch"`` a :class:`Throughput`, and with ``"torch"`` a :class:`TorchProfiler`, likewise; a
+    :class:`MetricsPlot` last where ``args.plot_metrics`` (None: matplotlib installed) says so.
 
     Example:
         >>> from framework import TrainerArguments
-        >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments())]
+        >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments(plot_metrics=False))]
         ['ModelSummary', 'ProgressBar']
+        >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments(plot_metrics=True, disable_tqdm=True))]
+        ['ModelSummary', 'MetricsPlot']
         >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments(model_summary=False, disable_tqdm=True))]
         []
         >>> [type(c).__name__ for c in with_default_callbacks([], TrainerArguments(profiler="torch", disable_tqdm=True))]
@@ -37,4 +41,6 @@ def with_default_callbacks(callbacks: Sequence[Callback], args: "TrainerArgument
         defaults.append(Throughput())
     if args.profiler == "torch" and not any(isinstance(callback, TorchProfiler) for callback in given):
         defaults.append(TorchProfiler())
+    if plots_by_default(args.plot_metrics) and not any(isinstance(callback, MetricsPlot) for callback in given):
+        defaults.append(MetricsPlot())
     return defaults + given

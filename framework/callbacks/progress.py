@@ -24,9 +24,10 @@ _LINE_FRACTIONS = 10  # plain lines: one at every 10% of the epoch
 class _Display:
     """Counts steps towards ``total`` and draws when a check point is reached."""
 
-    def __init__(self, total: Optional[int], initial: int, check_seconds: float) -> None:
+    def __init__(self, total: Optional[int], initial: int, check_seconds: float, run_left: Optional[int] = None) -> None:
         self.total = total
         self.done = initial
+        self.run_left = run_left  # optimizer steps left in the whole run when the display started
         self.next_check = initial + 1
         self._initial = initial
         self._check_seconds = check_seconds
@@ -46,11 +47,19 @@ class _Display:
         self.next_check = self.done + stride
         self.last_check = now
 
+    def run_eta(self, now: float) -> Optional[str]:
+        """The whole run's remaining training time at the current rate, as ``H:MM:SS`` (None: unknown)."""
+        rate = self.rate(now)
+        if self.run_left is None or rate is None:
+            return None
+        seconds = max(0, self.run_left - (self.done - self._initial)) / rate
+        return format_seconds(seconds)
+
     def draw(self, now: float) -> None:
         """Show ``done`` if due (subclasses)."""
 
-    def set_loss(self, loss: float) -> None:
-        """Show ``loss`` from the next draw on."""
+    def set_values(self, values: Dict[str, float]) -> None:
+        """Show ``values`` (the loss, ``prog_bar`` metrics) from the next draw on."""
 
     def close(self) -> None:
         """Show the final count and release the display."""
@@ -59,8 +68,11 @@ class _Display:
 class _Bar(_Display):
     """A tqdm bar (``leave=False``): redrawn at most every ``refresh_seconds``."""
 
-    def __init__(self, total: Optional[int], initial: int, refresh_seconds: float, desc: str, unit: str) -> None:
-        super().__init__(total, initial, refresh_seconds / 2)  # checks twice per refresh: tqdm redraws on time
+    def __init__(
+        self, total: Optional[int], initial: int, refresh_seconds: float, desc: str, unit: str, run_left: Optional[int] = None
+    ) -> None:
+        super().__init__(total, initial, refresh_seconds / 2, run_left)  # checks twice per refresh: tqdm redraws on time
+        self.values: Dict[str, float] = {}
         from tqdm import tqdm  # on first use: a run without a bar does not import it
 
         self.bar = tqdm(
@@ -75,10 +87,16 @@ class _Bar(_Display):
 
     def draw(self, now: float) -> None:
         if self.done > self.bar.n:
+            postfix = {name: f"{value:.4f}" for name, value in self.values.items()}
+            eta = self.run_eta(now)
+            if eta is not None:
+                postfix["run ETA"] = eta
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(self.done - self.bar.n)
 
-    def set_loss(self, loss: float) -> None:
-        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+    def set_values(self, values: Dict[str, float]) -> None:
+        self.values = dict(values)
 
     def close(self) -> None:
         self.draw(time.monotonic())
@@ -89,10 +107,18 @@ class _Lines(_Display):
     """Plain log lines (for log files): at each 10% of the epoch (at most one per
     ``refresh_seconds``), at least every ``line_seconds``, and a last one when the epoch ends."""
 
-    def __init__(self, total: Optional[int], initial: int, desc: str, refresh_seconds: float, line_seconds: float) -> None:
-        super().__init__(total, initial, min(refresh_seconds, line_seconds, 1.0))
+    def __init__(
+        self,
+        total: Optional[int],
+        initial: int,
+        desc: str,
+        refresh_seconds: float,
+        line_seconds: float,
+        run_left: Optional[int] = None,
+    ) -> None:
+        super().__init__(total, initial, min(refresh_seconds, line_seconds, 1.0), run_left)
         self.desc = desc
-        self.loss: Optional[float] = None
+        self.values: Dict[str, float] = {}
         self._refresh_seconds = refresh_seconds
         self._line_seconds = line_seconds
         self._last_line = self.started
@@ -125,8 +151,8 @@ class _Lines(_Display):
         if at_mark or since >= self._line_seconds:
             self._write(now)
 
-    def set_loss(self, loss: float) -> None:
-        self.loss = loss
+    def set_values(self, values: Dict[str, float]) -> None:
+        self.values = dict(values)
 
     def _write(self, now: float) -> None:
         count = f"{self.done}/{self.total}" if self.total else f"{self.done}"
@@ -134,8 +160,10 @@ class _Lines(_Display):
         parts = [f"{count} steps"]
         if rate is not None:
             parts.append(f"{rate:.1f} step/s")
-        if self.loss is not None:
-            parts.append(f"loss {self.loss:.4f}")
+        parts.extend(f"{name} {value:.4f}" for name, value in self.values.items())
+        eta = self.run_eta(now)
+        if eta is not None:
+            parts.append(f"run ETA {eta}")
         logger.info("%s: %s", self.desc, ", ".join(parts))
         self._last_line, self._last_line_step = now, self.done
         self._next_mark = self._mark_after(self.done)
@@ -146,12 +174,13 @@ class _Lines(_Display):
 
 
 class ProgressBar(Callback):
-    """Training progress (optimizer steps per epoch, step/s, the last logged loss) and a bar per
-    validation and test loader, on rank zero.
+    """Training progress (optimizer steps per epoch, step/s, the last logged loss, the values
+    logged with ``prog_bar=True``, the whole run's ETA) and a bar per validation and test
+    loader, on rank zero.
 
     In a terminal it draws tqdm bars that redraw at most every ``refresh_seconds``. When stderr
     is not a terminal (a Slurm or nohup log file), it writes plain log lines instead of ``\\r``
-    frames: ``epoch 2/10: 120/230 steps, 45.1 step/s, loss 0.1234`` at each 10% of the epoch
+    frames: ``epoch 2/10: 120/230 steps, 45.1 step/s, loss 0.1234, run ETA 03:10`` at each 10% of the epoch
     (at most one per ``refresh_seconds``), at least every ``line_seconds``, and a last one when
     an epoch ends, so a short epoch still shows one line (through the ``framework`` logger at
     INFO: ``log_level="WARNING"`` hides them). Evaluation bars are shown in a terminal only.
@@ -179,6 +208,7 @@ class ProgressBar(Callback):
         self.line_seconds = float(line_seconds)
         self._train: Optional[_Display] = None
         self._evaluation: Optional[_Display] = None
+        self._values: Dict[str, float] = {}  # the loss and prog_bar metrics shown, kept across epochs
 
     @property
     def _bar(self) -> Optional["tqdm"]:
@@ -204,10 +234,22 @@ class ProgressBar(Callback):
         total = trainer.estimated_global_steps_per_epoch
         initial = trainer.batches_finished_in_epoch // trainer.gradient_accumulation  # mid-epoch resume
         desc = f"epoch {epoch + 1}/{trainer.args.epochs}"
+        run_left = self._run_steps_left(total, epoch, initial)
         if self.uses_lines():
-            self._train = _Lines(total, initial, desc, self.refresh_seconds, self.line_seconds)
+            self._train = _Lines(total, initial, desc, self.refresh_seconds, self.line_seconds, run_left)
         else:
-            self._train = _Bar(total, initial, self.refresh_seconds, desc, "step")
+            self._train = _Bar(total, initial, self.refresh_seconds, desc, "step", run_left)
+        self._train.set_values(self._values)
+
+    def _run_steps_left(self, per_epoch: Optional[int], epoch: int, initial: int) -> Optional[int]:
+        """Optimizer steps left in the run at this epoch's start (or resume point); None: unknown."""
+        if not per_epoch:
+            return None
+        left = per_epoch * (self.trainer.args.epochs - epoch) - initial
+        max_steps = self.trainer.args.max_steps
+        if max_steps is not None:
+            left = min(left, max_steps - self.trainer.global_steps_finished)
+        return max(0, left)
 
     def on_end_optimizer_step(self, global_step: int) -> None:
         display = self._train
@@ -217,8 +259,16 @@ class ProgressBar(Callback):
                 display.check()
 
     def on_log_metrics(self, global_step: int, metrics: Dict[str, float]) -> None:
-        if self._train is not None and "train_loss" in metrics:
-            self._train.set_loss(metrics["train_loss"])
+        if not self._enabled():
+            return
+        if "train_loss" in metrics:
+            self._values["loss"] = metrics["train_loss"]
+        chosen = self.trainer.module.progress_bar_names()
+        for name, value in metrics.items():
+            if _shown_name(name) in chosen:
+                self._values[name] = value
+        if self._train is not None:
+            self._train.set_values(self._values)
 
     def on_end_train_epoch(self, global_step: int, *outputs: Any) -> None:
         self._close_train()
@@ -268,3 +318,22 @@ class ProgressBar(Callback):
 
     def on_end_test_epoch(self, global_step: int, *outputs: Any, key: str) -> None:
         self._close_evaluation()
+
+
+def _shown_name(name: str) -> str:
+    """The name given to ``self.log`` behind a recorded one (``val_acc/loader``, ``acc_epoch`` -> ``val_acc``, ``acc``)."""
+    name = name.split("/", 1)[0]
+    return name[: -len("_epoch")] if name.endswith("_epoch") else name
+
+
+def format_seconds(seconds: float) -> str:
+    """``H:MM:SS`` (``MM:SS`` under an hour).
+
+    Example:
+        >>> format_seconds(75.4), format_seconds(3725)
+        ('01:15', '1:02:05')
+    """
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"

@@ -30,7 +30,8 @@ class DefaultCheckpointerArguments:
     save_at_end: bool = True
     """Save when training ends."""
     keep_last_n: Optional[int] = 3
-    """Keep only the newest N checkpoints, plus the ``keep_best_n`` best (None: keep all)."""
+    """Keep only the newest N checkpoints, plus the ``keep_best_n`` best (None: keep all; 0 with
+    ``keep_best_n=K``: only the best K, as Lightning's ``ModelCheckpoint(save_top_k=K)``)."""
     keep_best_n: int = 0
     """With ``keep_last_n``, also keep the best N checkpoints by ``metric``."""
     metric: str = "val_loss"
@@ -59,10 +60,15 @@ class DefaultCheckpointerArguments:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"checkpointer.{name}={value!r} is invalid; allowed: an integer >= 0")
-        for name in ("save_every_n_steps", "keep_last_n"):
+        for name, least in (("save_every_n_steps", 1), ("keep_last_n", 0)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"checkpointer.{name}={value!r} is invalid; allowed: None or an integer >= 1")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ValueError(f"checkpointer.{name}={value!r} is invalid; allowed: None or an integer >= {least}")
+        if self.keep_last_n == 0 and self.keep_best_n == 0:
+            raise ValueError(
+                "checkpointer.keep_last_n=0 with keep_best_n=0 would delete every checkpoint it writes; "
+                "allowed: keep_best_n >= 1 (keep only the best, as Lightning's save_top_k) or keep_last_n >= 1"
+            )
         if self.mode not in ("min", "max"):
             raise ValueError(f"checkpointer.mode={self.mode!r}; allowed: 'min', 'max'")
         if self.resume not in (None, "auto"):

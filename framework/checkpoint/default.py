@@ -114,6 +114,13 @@ class DefaultCheckpointer(AbstractCheckpointer):
         self._prepared = False
 
     # -- one run per directory ----------------------------------------------------------
+    def use_default_dir(self, default_dir: str) -> None:
+        """Write to ``default_dir`` instead of the one given at construction, unless ``save_dir`` is
+        set (the trainer calls it before the run starts when the run moves to ``version_<N>``)."""
+        if self.args.save_dir is None and not self._prepared:
+            self.save_dir = str(default_dir)
+            self._fs, self._dir = storage.resolve(self.save_dir)
+
     def continues_existing_run(self) -> bool:
         """True with ``resume="auto"``, or when ``load_dir`` is ``save_dir`` or ``load_filename`` lies in it."""
         args = self.args

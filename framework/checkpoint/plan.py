@@ -28,6 +28,8 @@ def describe_checkpointing(args: DefaultCheckpointerArguments, save_dir: str) ->
     schedule = when[0] if len(when) == 1 else ", ".join(when[:-1]) + " and " + when[-1]
     if args.keep_last_n is None:
         kept = "keeping all"
+    elif args.keep_last_n == 0:
+        kept = f"keeping the best {args.keep_best_n} by {args.metric} ({args.mode}) only (checkpointer.keep_last_n=0)"
     else:
         best = f" (+{args.keep_best_n} best by {args.metric})" if args.keep_best_n else ""
         kept = f"keeping the newest {args.keep_last_n}{best} (checkpointer.keep_last_n)"

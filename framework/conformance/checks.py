@@ -232,7 +232,7 @@ def streams(context: Context) -> Dict[str, Any]:
     trainer = _trainer(lambda: KitNet(loader="stream"), _args(context, "stream", epochs=1))
     trainer.train()
     seen: Any = trainer.module.seen
-    return {"seen": list(seen)}
+    return {"seen": list(seen), "data_parallel_rank": trainer.backend.data_parallel_rank}
 
 
 CHECKS: Dict[str, Callable[[Context], Dict[str, Any]]] = {

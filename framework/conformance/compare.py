@@ -114,7 +114,12 @@ def _resumed(key: str) -> Callable[[List[Dict[str, Any]], Dict[str, Any], float]
 
 
 def _covered(ranks: List[Dict[str, Any]], reference: Dict[str, Any], tolerance: float) -> Verdict:
-    seen = sorted(index for rank in ranks for index in rank.get("seen", []))
+    shares: Dict[Any, List[Any]] = {}  # ranks of one data-parallel rank (tensor-parallel peers) read the same share
+    for index, rank in enumerate(ranks):
+        share = shares.setdefault(rank.get("data_parallel_rank", index), rank.get("seen", []))
+        if share != rank.get("seen", []):
+            return False, f"ranks of data-parallel rank {rank.get('data_parallel_rank')} saw different samples"
+    seen = sorted(index for share in shares.values() for index in share)
     wanted = sorted(reference.get("seen", []))
     return seen == wanted == list(range(64)), f"{len(seen)} samples seen over the ranks, {len(set(seen))} distinct (of 64)"
 

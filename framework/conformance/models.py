@@ -86,6 +86,13 @@ class KitNet(ModuleInterface):
             x = torch.tanh(block(x))
         return self.head(x)
 
+    def tensor_parallel_plan(self) -> Dict[str, Any]:
+        """The ``model-parallel`` backends split the first block by columns, the second by rows;
+        the head stays whole (a partial plan: clipping covers DTensors and plain tensors)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        return {"blocks.0": ColwiseParallel(), "blocks.1": RowwiseParallel()}
+
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Any:
         return [torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)], []
 

@@ -2,7 +2,7 @@
 ranks, its position in the epoch and its seeds, and how many steps an epoch has."""
 
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 from backends import TrainerBackend
 from framework.data.loader_plan import RecordingSampler, warn_about_stream_shares, warn_if_loader_ignores_plan
@@ -43,14 +43,14 @@ class TrainLoader:
         sampler = RecordingSampler(backend.sampler_factory(shuffle=True, seed=args.seed))
         loader = module.get_train_dataloader(sampler, micro_batch_size)
         checks.check_train_dataloader(loader)
-        warn_if_loader_ignores_plan(loader, sampler, micro_batch_size, backend.world_size, accumulation)
+        warn_if_loader_ignores_plan(loader, sampler, micro_batch_size, backend.data_parallel_size, accumulation)
         self.loader = backend.prepare_loader(loader)
         try:
             length: Optional[int] = len(self.loader)
         except TypeError:
             length = None
         self.length = None if length is None else backend.min_over_ranks(length)
-        warn_about_stream_shares(self.loader, backend.world_size, backend.all_gather_object)
+        warn_about_stream_shares(self.loader, backend.data_parallel_size, lambda obj: _one_per_share(backend, obj))
         checks.check_train_loader_not_empty(self.loader, self.length, micro_batch_size)
         self.position = LoaderPosition(self.loader)
         self.seeding = LoaderSeeding(self.loader, args.seed)
@@ -83,3 +83,9 @@ class TrainLoader:
         self.position.start_epoch(epoch, micro_batches_done * self.micro_batch_size)
         self.seeding.start_epoch(epoch)  # before iter: seeds its workers
         return iter(self.loader)
+
+
+def _one_per_share(backend: TrainerBackend, obj: Any) -> List[Any]:
+    """Every rank's ``obj``, one per data-parallel rank (tensor-parallel peers read the same share)."""
+    gathered = backend.all_gather_object(obj)
+    return [gathered[rank] for rank in backend.data_parallel_representatives()]

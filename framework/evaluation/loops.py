@@ -86,13 +86,16 @@ class Evaluator:
                 collected = self._run_steps(stage, global_step, loader, limit, losses, step_hook, key)
                 if not record:
                     losses.pop_epoch()
+                    collector.reset_metric_objects()  # a sanity check's updates never count
                     continue
                 outputs = self.backend.gather_in_dataset_order(concatenate_outputs(collected))
                 suffix = f"/{key}" if key else ""
                 self.hooks.call(f"on_end_{stage.value}_epoch", global_step, *outputs, key=key)
                 loss_name = f"{stage.value}_loss"
                 to_reduce = {**{f"/{name}": logged for name, logged in collector.pop_epoch().items()}, **losses.pop_epoch()}
-                reduced = reduce_metrics(to_reduce, self.backend.all_reduce, self.backend.device, self.backend.all_gather_object)
+                reduced = reduce_metrics(
+                    to_reduce, self.backend.data_parallel_all_reduce, self.backend.device, self.backend.all_gather_object
+                )
                 metrics = {f"{loss_name}{suffix}": reduced[loss_name]} if loss_name in reduced else {}
                 metrics.update({f"{name[1:]}{suffix}": value for name, value in reduced.items() if name.startswith("/")})
                 self.record(metrics)

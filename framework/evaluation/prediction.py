@@ -76,11 +76,11 @@ class Predictor:
             raise ValueError(
                 f"{name}.get_predict_dataloader: predictions keep dataset order; use sampler(dataset), not shuffle=True"
             )
-        distributed_map_style = self.backend.world_size > 1 and isinstance(loader, DataLoader) and not is_stream
+        distributed_map_style = self.backend.data_parallel_size > 1 and isinstance(loader, DataLoader) and not is_stream
         if distributed_map_style and not isinstance(own_sampler, ResumableSampler):
             raise ValueError(
                 f"{name}.get_predict_dataloader returned a DataLoader with a {type(own_sampler).__name__}: under "
-                f"{self.backend.world_size} ranks every rank would predict every sample; build it with "
+                f"{self.backend.data_parallel_size} data-parallel ranks every rank would predict every sample; build it with "
                 "sampler=sampler(dataset)"
             )
         return self.backend.prepare_loader(loader)
@@ -99,7 +99,7 @@ class Predictor:
         was_training, previous_logger = module.training, module._metric_logger
         module._metric_logger = None  # self.log in predict_step records nothing
         module.eval()
-        indices = _sample_indices(loader, backend.rank, backend.world_size)
+        indices = _sample_indices(loader, backend.data_parallel_rank, backend.data_parallel_size)
         try:
             with torch.no_grad():
                 for batch in loader:
@@ -141,7 +141,8 @@ class PredictionWriter:
         if not isinstance(directory, str) or not directory:
             raise TypeError(f"predictions_dir={directory!r}: allowed: None or a directory path or fsspec URL")
         self.directory = directory
-        self.rank = backend.rank
+        self.rank = backend.data_parallel_rank  # files are named by share of the data
+        self.writes = backend.rank in backend.data_parallel_representatives()  # one rank per share writes
         self.parts = 0
         self._fs, self._path = storage.resolve(directory)
         on_main_then_everywhere(backend, self._check_empty, f"use predictions_dir={directory!r}")
@@ -162,6 +163,8 @@ class PredictionWriter:
             )
 
     def write(self, indices: torch.Tensor, outputs: Any) -> None:
+        if not self.writes:  # a tensor-parallel peer: its share is written by its representative
+            return
         name = prediction_file_name(self.rank, self.parts)
         storage.write_atomically(self._fs, storage.join(self._path, name), {"indices": indices, "outputs": outputs})
         self.parts += 1

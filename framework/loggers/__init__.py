@@ -4,7 +4,7 @@ Chosen by name in ``TrainerArguments.loggers`` (default ``["csv"]``); see ``docs
 """
 
 from framework.loggers.base import FAILED, FINISHED, KILLED, Logger, Record, RunInfo
-from framework.loggers.collection import LoggerSet, run_status
+from framework.loggers.collection import LoggerSet, LoggerStartFailed, run_status
 from framework.loggers.csv_logger import CSVLogger
 from framework.loggers.registry import (
     ENTRY_POINT_GROUP,
@@ -23,6 +23,7 @@ __all__ = [
     "CSVLogger",
     "Logger",
     "LoggerSet",
+    "LoggerStartFailed",
     "Record",
     "RunInfo",
     "available_loggers",

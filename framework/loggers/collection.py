@@ -1,5 +1,6 @@
 """The run's loggers together: started, fed and finished on rank zero, a failing one set aside."""
 
+import contextlib
 import logging
 from typing import Any, Callable, Dict, List, Set
 
@@ -20,11 +21,24 @@ def run_status(error: BaseException) -> str:
     return KILLED if isinstance(error, (TrainingPreempted, KeyboardInterrupt)) else FAILED
 
 
+class LoggerStartFailed(RuntimeError):
+    """A logger the run asked for could not start (a tracker unreachable or refusing the store):
+    raised before step 1, naming the logger and the cause.
+
+    Example:
+        >>> raise LoggerStartFailed("logger 'mlflow' could not start (MlflowException: ...)")
+        Traceback (most recent call last):
+        ...
+        framework.loggers.collection.LoggerStartFailed: logger 'mlflow' could not start (MlflowException: ...)
+    """
+
+
 class LoggerSet:
     """Calls each :class:`Logger` in turn, only where ``active`` (rank zero).
 
-    A logger that raises (tracker down, disk full) is named in one warning and skipped for
-    the rest of the run: training, and the checkpoints it writes, go on.
+    A logger that cannot start is an error (:class:`LoggerStartFailed`, before step 1): the
+    user asked for it. One that raises later (tracker down, disk full) is named in one warning
+    and skipped for the rest of the run: training, and the checkpoints it writes, go on.
 
     Args:
         loggers: the loggers, in the order they are called.
@@ -66,7 +80,20 @@ class LoggerSet:
             return
         self.started = True
         info = run()
-        self._each("start", lambda item: item.start(info))
+        for index, item in enumerate(self.loggers):
+            if index in self._failed:
+                continue
+            try:
+                item.start(info)
+            except Exception as error:
+                self.started = False
+                for earlier in self.loggers[:index]:  # those already started end as failed runs
+                    with contextlib.suppress(Exception):  # the start failure is the one to report
+                        earlier.finish(FAILED)
+                raise LoggerStartFailed(
+                    f"logger {item.name or type(item).__name__!r} could not start ({type(error).__name__}: {error}); "
+                    "nothing was trained: fix it, or leave it out of TrainerArguments.loggers (--trainer.loggers)"
+                ) from error
 
     def log(self, records: List[Record]) -> None:
         """Hand newly recorded values to every started logger."""

@@ -124,11 +124,7 @@ class ManualOptimization:
         raw = optimizer.optimizer if isinstance(optimizer, ManualOptimizer) else optimizer
         self.backend.unscale_gradients([raw])
         parameters = [p for group in raw.param_groups for p in group["params"] if p.grad is not None]
-        if max_value is not None:
-            torch.nn.utils.clip_grad_value_(parameters, max_value)
-        if max_norm is not None:
-            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        return None
+        return self.backend.clip_gradients(parameters, max_norm, max_value)  # whatever the parameters' meshes
 
 
 def one_or_list(items: List[Any]) -> Any:

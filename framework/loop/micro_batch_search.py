@@ -60,7 +60,7 @@ def search_micro_batch(
     in forward, so the ranks must run out of memory alike (same devices and batch shapes),
     as they do in a balanced job.
     """
-    per_process, device = args.train_batch_size // backend.world_size, backend.device
+    per_process, device = args.train_batch_size // backend.data_parallel_size, backend.device
     buffers = [buffer.detach().clone() for buffer in module.buffers()]
     rng, logged = capture_rng_state(), collector.state_dict()
 

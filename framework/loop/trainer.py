@@ -35,6 +35,7 @@ from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface, StepRunner
 from framework.run import checks
 from framework.run.arguments import TrainerArguments, micro_batch_plan
+from framework.run.config import own_copy
 from framework.run.launcher_watch import LauncherWatch
 from framework.run.logging_setup import configure_logging
 from framework.run.preemption import PreemptionHandler, TrainingPreempted, parse_signals
@@ -83,6 +84,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
             raise TypeError(f"args must be TrainerArguments, got {type(args).__name__}")
         if args.fast_dev_run:
             args = dataclasses.replace(args, epochs=1, min_epochs=0, max_train_steps_per_epoch=1, max_val_steps_per_epoch=1)
+        else:
+            args = own_copy(args)  # output_dir may move to version_<N>
         if trainer_backend is not None and not isinstance(trainer_backend, TrainerBackend):
             raise TypeError(f"trainer_backend must be a TrainerBackend, got {type(trainer_backend).__name__}")
         self.args = args
@@ -97,7 +100,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         try:
             configure_logging(args.log_level, self.backend.is_main_process)
             self.train_step_batch_size, self.gradient_accumulation = micro_batch_plan(
-                args.train_batch_size, self.backend.world_size, args.gpu_batch_size_limit
+                args.train_batch_size, self.backend.data_parallel_size, args.gpu_batch_size_limit
             )
             self.automatic_optimization = checks.check_optimization_mode(module, args, self.gradient_accumulation)
             self.loggers = LoggerSet(build_loggers(args), active=self.backend.is_main_process and not args.fast_dev_run)
@@ -145,6 +148,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         except BaseException:
             self.backend.teardown()
             raise
+        self.backend.check_module(module)  # e.g. model-parallel: a module without a tensor-parallel plan
         self.backend.convert_module(module.to(self.device))  # true bf16: cast before any step
 
     # -- properties ---------------------------------------------------------------------

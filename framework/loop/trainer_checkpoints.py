@@ -160,7 +160,16 @@ class TrainerCheckpoints:
         ranks = trainer_state.get("ranks") if isinstance(trainer_state, dict) else None
         if not ranks:
             return {}
-        return dict(ranks[self.backend.rank % len(ranks)].get("module", {}))
+        return dict(self._own_entry(ranks).get("module", {}))
+
+    def _own_entry(self, ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """The saved per-rank entry this rank restores: the one of its data-parallel rank (modulo the
+        saved data-parallel size: any tensor-parallel peer's, they are alike); by global rank (modulo
+        the saved world size) for checkpoints written before entries named their data-parallel rank."""
+        if "data_parallel_rank" not in ranks[0]:
+            return ranks[self.backend.rank % len(ranks)]
+        saved = {int(entry["data_parallel_rank"]): entry for entry in reversed(ranks)}  # the first of each share wins
+        return saved[self.backend.data_parallel_rank % len(saved)]
 
     def state_dict(self) -> Dict[str, Any]:
         """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
@@ -168,7 +177,8 @@ class TrainerCheckpoints:
         the loader's or dataset's ``state_dict()``, and the module's ``get_state()`` entries other
         than ``"model"`` (the user's own state, e.g. a replay buffer: each rank restores its own).
         Collective under DDP (the per-rank part is gathered): call it on every rank."""
-        rank_local = {  # differs between ranks: gathered, each rank restores its own
+        rank_local = {  # differs between ranks: gathered, each rank restores its own (by data-parallel rank)
+            "data_parallel_rank": self.backend.data_parallel_rank,
             "rng": capture_rng_state(),
             **self.losses.state_dict(),
             "logged_values": self._metrics.state_dict(),
@@ -177,7 +187,7 @@ class TrainerCheckpoints:
         }
         return {
             RUN_ID_KEY: self.run_id,
-            **self.progress.state_dict(self.backend.world_size, self.train_step_batch_size),
+            **self.progress.state_dict(self.backend.data_parallel_size, self.train_step_batch_size),
             "should_stop": self.should_stop,
             "ranks": self.backend.all_gather_object(rank_local),
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
@@ -191,20 +201,21 @@ class TrainerCheckpoints:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (optimizers must exist: call inside train)."""
-        world_size = self.backend.world_size
+        world_size = self.backend.data_parallel_size  # positions are counted in shares of the data
         if self.args.gpu_batch_size_limit == "auto":  # the micro-batch found before: no search on resume
             self._use_saved_micro_batch(state.get("micro_batch_size"))
         self.progress.load_state_dict(state, world_size, self.train_step_batch_size, self.gradient_accumulation)
         ranks = state["ranks"]
-        if len(ranks) != world_size:
+        saved_size = len({entry.get("data_parallel_rank", index) for index, entry in enumerate(ranks)})
+        if saved_size != world_size:
             logger.warning(
-                "checkpoint written by %d ranks, resumed on %d: RNG streams, running losses, loader state and the "
-                "module's per-rank state are taken from rank (this rank mod %d)",
-                len(ranks),
+                "checkpoint written by %d data-parallel ranks, resumed on %d: RNG streams, running losses, loader state "
+                "and the module's per-rank state are taken from data-parallel rank (this one mod %d)",
+                saved_size,
                 world_size,
-                len(ranks),
+                saved_size,
             )
-        mine = ranks[self.backend.rank % len(ranks)]
+        mine = self._own_entry(ranks)
         self.losses.load_state_dict(mine)
         self._metrics.load_state_dict(mine["logged_values"], self.device)
         if self.train_loader is not None:

@@ -15,7 +15,9 @@ from backends import TrainerBackend
 from backends.activation_checkpointing import checkpoint_units
 from framework.callbacks.base import Callback
 from framework.checkpoint.abstract import AbstractCheckpointer
+from framework.checkpoint.default import DefaultCheckpointer
 from framework.data.train_loader import TrainLoader
+from framework.loggers import LoggerSet, build_loggers
 from framework.loop.hooks import HookDispatcher
 from framework.loop.manual_optimization import ManualOptimization
 from framework.loop.micro_batch_search import search_micro_batch
@@ -29,7 +31,7 @@ from framework.module import ModuleInterface, StepRunner
 from framework.run import checks
 from framework.run.arguments import TrainerArguments, micro_batch_plan
 from framework.run.config import resolved_config
-from framework.run.run_directory import claim_run_directory
+from framework.run.run_directory import choose_run_directory, claim_run_directory
 from framework.run.run_identity import StartingIdentity
 from framework.run.run_lock import RunLock, claim_run_lock
 from framework.run.run_start import log_run_start
@@ -50,6 +52,7 @@ class TrainerSetup:
     module: ModuleInterface
     backend: TrainerBackend
     checkpointer: AbstractCheckpointer
+    loggers: LoggerSet
     callbacks: List[Callback]
     hooks: HookDispatcher
     recorder: MetricRecorder
@@ -97,13 +100,21 @@ class TrainerSetup:
 
     def _setup_training(self) -> None:
         args = self.args
-        if not args.fast_dev_run:  # first: every rank sees the same directories, and no other live run uses them
+        if not self._restored and not args.fast_dev_run:  # another run's output_dir: train in version_<N>
+            self._choose_run_directory()
+        if not args.fast_dev_run:  # every rank sees the same directories; a second live run on this output_dir stops here
             check_shared_storage(run_directories(args.output_dir, self.checkpointer), self.backend)
             self._run_lock = claim_run_lock(args.output_dir, self.backend)
         loader = self._create_train_loader()
         if self.wrapped_module is None:
             if args.activation_checkpointing:  # before the strategy compiles and shards the units
-                checkpoint_units(self.module)
+                units = checkpoint_units(self.module)
+                kinds = sorted({type(unit).__name__ for unit in units})
+                logger.info(
+                    "activation checkpointing: %d units (%s) recompute their activations in backward",
+                    len(units),
+                    ", ".join(kinds),
+                )
             self.wrapped_module = self.backend.wrap_module(self._runner)
         if not self.optimizers:
             self._build_optimizers()
@@ -128,6 +139,23 @@ class TrainerSetup:
         self.stopping.start_clock()
         self._compile_started = time.perf_counter() if args.compile else None
         self.module.train()
+
+    def _choose_run_directory(self) -> None:
+        """Move this run to ``<output_dir>/version_<N>`` when ``output_dir`` holds another run (and say so once)."""
+        args = self.args
+        chosen = choose_run_directory(args.output_dir, args.output_dir_in_use, self.checkpointer, self.backend)
+        if chosen == args.output_dir:
+            return
+        logger.warning(
+            "output_dir %s holds another run: this run writes to %s (--checkpointer.resume auto continues the run "
+            "there instead; --trainer.output_dir_in_use error refuses)",
+            args.output_dir,
+            chosen,
+        )
+        args.output_dir = chosen  # the trainer's own copy of the arguments
+        if isinstance(self.checkpointer, DefaultCheckpointer):
+            self.checkpointer.use_default_dir(os.path.join(chosen, "checkpoints"))
+        self.loggers = self.recorder.loggers = LoggerSet(build_loggers(cast(Any, args)), active=self.loggers.active)
 
     def _build_optimizers(self) -> None:
         self.optimizers, self.lr_schedules = build_optimizers_schedules(
@@ -170,7 +198,7 @@ class TrainerSetup:
     def _use_micro_batch(self, size: int, why: str) -> None:
         """``gpu_batch_size_limit="auto"``: train with micro-batches of ``size``, accumulating the
         rest of the batch (the global batch does not change), from a train loader of that size."""
-        plan = micro_batch_plan(self.args.train_batch_size, self.backend.world_size, size)
+        plan = micro_batch_plan(self.args.train_batch_size, self.backend.data_parallel_size, size)
         if plan != (self.train_step_batch_size, self.gradient_accumulation):
             self.train_step_batch_size, self.gradient_accumulation = plan
             self.train_loader = None
@@ -182,7 +210,7 @@ class TrainerSetup:
     def _use_saved_micro_batch(self, saved: Any) -> None:
         """Adopt the micro-batch a checkpoint was trained with, unless it does not divide this run's
         per-process batch (another world size): then the search runs again."""
-        per_process = self.args.train_batch_size // self.backend.world_size
+        per_process = self.args.train_batch_size // self.backend.data_parallel_size
         if isinstance(saved, int) and 0 < saved <= per_process and per_process % saved == 0:
             self._use_micro_batch(saved, "from the checkpoint")
 

@@ -207,10 +207,9 @@ class TrainingStep:
     def clip_gradients(self) -> None:
         """Clip by value and/or norm as the arguments ask; log the norm with ``track_grad_norm``."""
         args = self.args
-        if args.clip_grad_value is not None:
-            torch.nn.utils.clip_grad_value_(self._parameters, args.clip_grad_value)
+        max_norm = None
         if args.clip_grads or args.track_grad_norm:
             max_norm = args.max_grad_norm if args.clip_grads else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self._parameters, max_norm)
-            if args.track_grad_norm:
-                self.collector.log("grad_norm", grad_norm, on_step=True, on_epoch=True)
+        grad_norm = self.backend.clip_gradients(self._parameters, max_norm, args.clip_grad_value)  # whatever the meshes
+        if grad_norm is not None and args.track_grad_norm:
+            self.collector.log("grad_norm", grad_norm, on_step=True, on_epoch=True)

@@ -133,22 +133,27 @@ class MetricCollector:
         self._epoch: Dict[str, List[Any]] = {}
         self._reductions: Dict[str, str] = {}
         self._on_step: set = set()
+        self._objects: Dict[str, Any] = {}  # torchmetrics Metric objects, computed and reset at the epoch's end
         self.batch: Any = None  # the batch of the step being run (set by the step dispatcher)
 
     def log(
         self,
         name: str,
-        value: Union[torch.Tensor, float],
+        value: Union[torch.Tensor, float, Any],
         on_step: bool = False,
         on_epoch: bool = True,
         reduce: str = "mean",
         batch_size: Optional[int] = None,
     ) -> None:
-        """Keep ``value`` (a tensor with one or more elements, or a number) under ``name``.
+        """Keep ``value`` (a tensor with one or more elements, a number, or a torchmetrics
+        ``Metric``) under ``name``.
 
         A tensor with several elements is first reduced with ``reduce`` (``mean`` of a
         per-sample tensor, etc.). ``batch_size`` weights a ``mean`` (default: inferred from
-        the current batch).
+        the current batch). A ``Metric`` object is kept, not read: the user updates it in the
+        step; :meth:`pop_epoch` calls its ``compute()`` (which torchmetrics syncs over ranks)
+        and then ``reset()``. With ``on_step`` its last ``forward`` value (the batch's) is the
+        step value.
 
         Raises:
             ValueError: an empty name, an unknown ``reduce``, a ``reduce`` that differs from
@@ -163,6 +168,9 @@ class MetricCollector:
             raise ValueError(f"log({name!r}, on_step=False, on_epoch=False) would record nothing; set one of them")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
             raise ValueError(f"log({name!r}, batch_size={batch_size!r}): allowed: an integer >= 0, or None to infer it")
+        if is_metric_object(value):
+            self._log_metric_object(name, value, on_step, on_epoch)
+            return
         previous = self._reductions.setdefault(name, reduce)
         if previous != reduce:
             raise ValueError(f"log({name!r}, reduce={reduce!r}): this metric was logged with reduce={previous!r}")
@@ -175,7 +183,9 @@ class MetricCollector:
         elif isinstance(value, (int, float)):
             tensor = torch.tensor(float(value))
         else:
-            raise TypeError(f"log({name!r}, value=...): expected a tensor or a number, got {type(value).__name__}")
+            raise TypeError(
+                f"log({name!r}, value=...): expected a tensor, a number or a torchmetrics Metric, got {type(value).__name__}"
+            )
         if tensor.numel() == 0:
             raise ValueError(f"log({name!r}, value=...): the tensor is empty")
         if tensor.numel() != 1:
@@ -189,6 +199,22 @@ class MetricCollector:
             self._on_step.add(name)
         if on_epoch:
             self._accumulate(name, value, reduce, weight)
+
+    def _log_metric_object(self, name: str, metric: Any, on_step: bool, on_epoch: bool) -> None:
+        previous = self._reductions.setdefault(name, _METRIC_OBJECT)
+        if previous != _METRIC_OBJECT:
+            raise ValueError(f"log({name!r}, <Metric>): this name was logged with plain values (reduce={previous!r})")
+        known = self._objects.get(name)
+        if known is not None and known is not metric:
+            raise ValueError(f"log({name!r}, <Metric>): this name was logged with another Metric object")
+        if on_epoch:
+            self._objects[name] = metric
+        cached = getattr(metric, "_forward_cache", None)
+        if on_step and isinstance(cached, torch.Tensor) and cached.numel() == 1:
+            weight = float(1 if self.batch is None else infer_batch_size(self.batch))
+            self._step[name] = Logged(_as_float(cached.detach()).reshape(()), "mean", weight)
+        if on_step:
+            self._on_step.add(name)
 
     def _accumulate(self, name: str, value: torch.Tensor, reduce: str, weight: float) -> None:
         entry = self._epoch.get(name)
@@ -218,11 +244,20 @@ class MetricCollector:
         }
 
     def load_state_dict(self, state: Dict[str, Any], device: Optional[torch.device] = None) -> None:
-        """Restore what :meth:`state_dict` returned, with tensors on ``device``."""
+        """Restore what :meth:`state_dict` returned, with tensors on ``device``. Metric objects
+        logged since then are reset (their state is not part of the snapshot)."""
+        self.reset_metric_objects()
         self._step = {name: Logged(entry[0].to(device), entry[1], *entry[2:]) for name, entry in state["step"].items()}
         self._epoch = {name: [value.to(device), weight, reduce] for name, (value, weight, reduce) in state["epoch"].items()}
         self._reductions = dict(state["reductions"])
         self._on_step = set(state["on_step"])
+
+    def reset_metric_objects(self) -> None:
+        """``reset()`` every Metric object logged since the last :meth:`pop_epoch` and forget it
+        (after a sanity check or a batch-size probe: their updates must not count)."""
+        objects, self._objects = self._objects, {}
+        for metric in objects.values():
+            metric.reset()
 
     def pop_step(self) -> Dict[str, Logged]:
         """Latest step values (name -> :class:`Logged`); clears them."""
@@ -233,14 +268,42 @@ class MetricCollector:
         """Epoch aggregates (name -> :class:`Logged`); clears them. A metric also logged
         ``on_step`` is named ``<name>_epoch`` here (as ``train_loss`` / ``train_loss_epoch``)."""
         aggregates, self._epoch = self._epoch, {}
+        objects, self._objects = self._objects, {}
         result = {}
-        for name, (value, weight, reduce) in sorted(aggregates.items()):
+        for name, metric in sorted(objects.items()):  # the same order on every rank: compute() syncs
+            value = metric.compute()
+            metric.reset()
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise ValueError(f"log({name!r}, <Metric>): compute() must give one number, got {value!r}")
+            key = f"{name}_epoch" if name in self._on_step else name
+            result[key] = Logged(_as_float(value.detach()).reshape(()), "max")  # already over ranks: max keeps it exact
+        for name, (value, weight, reduce) in aggregates.items():
             key = f"{name}_epoch" if name in self._on_step else name
             if reduce == "mean":
                 result[key] = Logged(value / weight if weight else value, reduce, weight)
             else:
                 result[key] = Logged(value, reduce)
-        return result
+        return dict(sorted(result.items()))
+
+
+_METRIC_OBJECT = "Metric object"
+
+
+def is_metric_object(value: Any) -> bool:
+    """True for a torchmetrics ``Metric`` (or anything with ``update``, ``compute`` and ``reset``
+    methods that is an ``nn.Module``), without importing torchmetrics.
+
+    Example:
+        >>> is_metric_object(torch.tensor(1.0)), is_metric_object(torch.nn.Linear(1, 1))
+        (False, False)
+    """
+    return isinstance(value, torch.nn.Module) and all(
+        callable(getattr(value, name, None)) for name in ("update", "compute", "reset")
+    )
+
+
+def _as_float(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
 
 
 _IDENTITY = {"mean": 0.0, "sum": 0.0, "max": -math.inf, "min": math.inf}

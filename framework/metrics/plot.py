@@ -79,7 +79,8 @@ def plot_metrics(
 ) -> str:
     """Draw every metric of ``source`` (an output directory or a metrics.csv) against the
     optimizer step, one panel per quantity: train, epoch-mean train and validation curves of
-    the same quantity share a panel. Returns the PNG's path.
+    the same quantity share a panel; the loss panel has a log axis (when every loss is > 0).
+    Returns the PNG's path.
 
     Args:
         source: the run's ``output_dir`` or its ``metrics.csv``.
@@ -127,6 +128,8 @@ def plot_metrics(
             if name.split("/", 1)[0].endswith("_epoch"):
                 style.update(linestyle="--")
             axis.plot(steps, values, label=name, linewidth=1.4, **style)
+        if panel == "loss" and all(value > 0 for name in names for _, value in series[name]):
+            axis.set_yscale("log")  # a loss falls by orders of magnitude: a log axis shows all of it
         axis.set_title(panel)
         axis.set_xlabel("optimizer step")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))

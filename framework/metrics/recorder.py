@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Mapping, Tuple
 import torch
 
 from backends import TrainerBackend
-from framework.loggers import LoggerSet, RunInfo
+from framework.loggers import LoggerSet, LoggerStartFailed, RunInfo
 from framework.loop.hooks import HookDispatcher
 from framework.loop.training_state import TrainingProgress
 from framework.metrics.collector import MetricCollector, MetricHistory, reduce_metrics
@@ -86,7 +86,7 @@ class MetricRecorder:
     def reduce(self, collected: Mapping[str, Tuple[Any, ...]], agree_on_names: bool = False) -> Dict[str, float]:
         """Collected device values as floats, reduced over ranks."""
         gather = self.backend.all_gather_object if agree_on_names else None  # once per epoch: a rank may have logged nothing
-        return reduce_metrics(collected, self.backend.all_reduce, self.backend.device, gather)
+        return reduce_metrics(collected, self.backend.data_parallel_all_reduce, self.backend.device, gather)
 
     def record(self, metrics: Dict[str, float]) -> None:
         """Add ``metrics`` to the history, the loggers (rank zero) and the ``on_log_metrics`` hooks."""
@@ -98,9 +98,18 @@ class MetricRecorder:
         self.hooks.call("on_log_metrics", step, dict(metrics))
 
     def start_loggers(self) -> None:
-        """Start the loggers (rank zero) with the history so far; a later validate()/test() starts them again."""
+        """Start the loggers (rank zero) with the history so far; a later validate()/test() starts them again.
+
+        Raises:
+            LoggerStartFailed: a logger could not start (on every rank).
+        """
         args = self.args
-        self.loggers.start(lambda: RunInfo(args.output_dir, resolved_config(args).to_dict(), list(self.history.records)))
+
+        def start() -> None:
+            self.loggers.start(lambda: RunInfo(args.output_dir, resolved_config(args).to_dict(), list(self.history.records)))
+
+        # A logger that cannot start stops the run before step 1, on every rank (rank zero logs).
+        self.backend.run_on_rank_zero(start, "could not start a logger", share_as=(LoggerStartFailed,))
 
     def log_epoch_summary(self) -> None:
         """One line per epoch: the values recorded in it (the step losses left out)."""

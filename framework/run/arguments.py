@@ -92,7 +92,8 @@ class TrainerArguments(_CarriesRunConfig):
     collect_train_outputs: bool = False
     """Keep every train step's outputs for ``on_end_train_epoch`` (off: nothing is kept)."""
     backend: str = "sp"
-    """Backend name: sp, sp-amp, sp-bf16, ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, or a registered plugin."""
+    """Backend name: sp, sp-amp, sp-bf16, ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, model-parallel,
+    model-parallel-amp, model-parallel-bf16, or a registered plugin."""
     amp_dtype: Optional[str] = None
     """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU
     (``*-amp`` backends; ``*-bf16`` take only bfloat16; fp32 backends refuse a value)."""
@@ -103,6 +104,10 @@ class TrainerArguments(_CarriesRunConfig):
     reshard_after_forward: bool = True
     """fsdp backends: free each unit's gathered parameters after its forward (less memory, one more all-gather
     in backward); False keeps them until backward. Any other backend refuses False."""
+    tensor_parallel_size: Optional[int] = None
+    """model-parallel backends: ranks that split each layer (the ``tp`` axis of the ``("dp", "tp")`` mesh); must
+    divide the world size, the data-parallel size is world size / this. None: the processes of one node.
+    Any other backend refuses a value (see docs/model-parallel.md)."""
     cluster: Optional[str] = None
     """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
     compile: bool = False
@@ -128,9 +133,15 @@ class TrainerArguments(_CarriesRunConfig):
     """Level of the framework's log messages on rank zero."""
     output_dir: str = "outputs"
     """Where metrics.csv, config.yaml and (by default) checkpoints go."""
+    output_dir_in_use: str = "new_version"
+    """When ``output_dir`` holds another run that this run does not resume: ``"new_version"`` trains in
+    ``<output_dir>/version_<N>`` (the first free N >= 1, said once in the log); ``"error"`` refuses to start."""
     loggers: List[Union[str, Logger]] = field(default_factory=lambda: ["csv"])
     """Where metrics go on rank zero: names (``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or one from the
     ``framework.loggers`` entry points) or Logger instances; CLI ``--trainer.loggers '[csv,mlflow]'``."""
+    plot_metrics: Optional[bool] = None
+    """Draw ``<output_dir>/metrics.png`` from metrics.csv when training ends (losses on a log axis); None: where
+    matplotlib is installed, unless the environment sets ``FRAMEWORK_PLOT_METRICS=0``."""
     tensorboard: bool = False
     """Also write TensorBoard events to ``<output_dir>/tensorboard`` (the same as adding ``"tensorboard"`` to loggers)."""
     preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"
@@ -170,8 +181,17 @@ class TrainerArguments(_CarriesRunConfig):
         _require(self.sanity_val_steps >= 0, "sanity_val_steps", self.sanity_val_steps, "an integer >= 0")
         _require(self.max_grad_norm > 0, "max_grad_norm", self.max_grad_norm, "a number > 0")
         _require(self.clip_grad_value is None or self.clip_grad_value > 0, "clip_grad_value", self.clip_grad_value, "None or > 0")
+        tp_size = self.tensor_parallel_size
+        _require(
+            tp_size is None or (isinstance(tp_size, int) and not isinstance(tp_size, bool) and tp_size >= 1),
+            "tensor_parallel_size",
+            tp_size,
+            "None or an integer >= 1 that divides the world size",
+        )
         _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
         _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")
+        in_use = self.output_dir_in_use
+        _require(in_use in OUTPUT_DIR_IN_USE, "output_dir_in_use", in_use, f"one of {OUTPUT_DIR_IN_USE}")
         _require(self.profiler in PROFILERS, "profiler", self.profiler, f"one of {PROFILERS}")
         _require(0 <= self.seed < 2**32, "seed", self.seed, "an integer from 0 to 2**32 - 1 (numpy's seed range)")
         _require(self.log_every_n_steps >= 1, "log_every_n_steps", self.log_every_n_steps, "an integer >= 1")
@@ -186,6 +206,9 @@ class TrainerArguments(_CarriesRunConfig):
             self.cluster,
             "None (detect) or a cluster environment name such as 'slurm'",
         )
+
+
+OUTPUT_DIR_IN_USE = ("new_version", "error")
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:

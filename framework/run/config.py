@@ -4,7 +4,9 @@
 VALUE`` (or ``--SECTION.FIELD=VALUE``) overrides one field; ``--backend NAME`` is short for
 ``--trainer.backend NAME``; a boolean field given without a value is set to true. Values are
 checked against the field types, an unknown key is an error that suggests the closest valid
-one, and ``--help`` lists every field with its default and description.
+one, and ``--help`` lists every field with its default and description. A section may be
+LightningCLI's ``class_path`` / ``init_args`` (framework/run/class_path.py); ``--print_config`` prints
+the resolved config as YAML and exits.
 """
 
 import ast
@@ -16,10 +18,11 @@ import re
 import sys
 import textwrap
 import typing
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.run.arguments import TrainerArguments
+from framework.run.class_path import apply_class_override, build_module, check_class_spec, is_class_override, is_class_spec
 from framework.run.config_convert import convert, plain, type_name
 from framework.run.run_identity import RUN_ID_KEY
 
@@ -50,8 +53,16 @@ class RunConfig:
 
     def __init__(self, sections: Dict[str, Any]) -> None:
         self.sections = sections
+        self.class_specs: Dict[str, Dict[str, Any]] = {}  # sections given as class_path / init_args
         for name, value in sections.items():
             setattr(self, name, value)
+
+    def build_module(self, default: Optional[Callable[[], Any]] = None) -> Any:
+        """The module the ``model`` section's ``class_path`` names (with ``optimizer=`` from an
+        ``optimizer`` section), else ``default()`` (see framework/run/class_path.py)."""
+        if "model" not in self.class_specs and default is not None:
+            return default()
+        return build_module(self.class_specs)
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         """Every section as plain YAML-safe values; the checkpointer section is the trainer's
@@ -65,6 +76,7 @@ class RunConfig:
             else:
                 values = section
             result[name] = plain(values)
+        result.update({name: plain(spec) for name, spec in self.class_specs.items()})
         trainer = self.sections.get("trainer")
         if isinstance(trainer, TrainerArguments) and "checkpointer" in result:
             result["checkpointer"] = plain(dataclasses.asdict(trainer.checkpointer_args))
@@ -95,6 +107,23 @@ def resolved_config(args: TrainerArguments) -> RunConfig:
     if config is not None and config.sections.get("trainer") is args:
         return config
     return RunConfig({"trainer": args, "checkpointer": args.checkpointer_args})
+
+
+def own_copy(args: TrainerArguments) -> TrainerArguments:
+    """A copy of ``args`` the trainer may change (its ``output_dir`` moves to ``version_<N>``), still
+    saved with the user's own config sections.
+
+    Example:
+        >>> config = parse_config(argv=["--trainer.epochs", "3"])
+        >>> copy = own_copy(config.trainer)
+        >>> copy is not config.trainer, resolved_config(copy).trainer is copy
+        (True, True)
+    """
+    copy = dataclasses.replace(args)
+    config = args.run_config
+    if config is not None and config.sections.get("trainer") is args:
+        copy.run_config = RunConfig({**config.sections, "trainer": copy})
+    return copy
 
 
 def parse_config(
@@ -138,6 +167,12 @@ def parse_config(
     if exit_on_error is None:
         exit_on_error = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--print_config" in argv:  # as LightningCLI: the resolved config as YAML (loadable with --config), then exit
+        import yaml
+
+        config = _build_or_exit(classes, [arg for arg in argv if arg != "--print_config"], program, exit_on_error)
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        raise SystemExit(0)
     if "-h" in argv or "--help" in argv:
         rest = [arg for arg in argv if arg not in ("-h", "--help")]
         try:
@@ -146,6 +181,10 @@ def parse_config(
             current = None
         print(format_help(classes, program, current))
         raise SystemExit(0)
+    return _build_or_exit(classes, argv, program, exit_on_error)
+
+
+def _build_or_exit(classes: Dict[str, Type], argv: List[str], program: str, exit_on_error: bool) -> RunConfig:
     try:
         return _build(classes, argv)
     except ConfigError as error:
@@ -163,22 +202,53 @@ def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
     config_path, overrides = _split_arguments(argv)
     values: Dict[str, Dict[str, Any]] = {name: {} for name in classes}
     fields = _field_index(classes)
+    given: List[Tuple[str, Any, str, bool]] = []  # (key, value, source, from_text), in order
+    data = _load_yaml(config_path) if config_path is not None else {}
+    specs = {name: dict(value) for name, value in data.items() if is_class_spec(value)}  # class_path / init_args
     if config_path is not None:
-        for key, value in _flatten(_load_yaml(config_path), config_path).items():
-            _assign(values, fields, key, value, source=config_path, from_text=False)
+        given += [(key, value, config_path, False) for key, value in _flatten(data, config_path).items()]
     for key, text in overrides:
-        _assign(values, fields, key, text, source="command line", from_text=True)
+        if text is _NO_VALUE and is_class_override(key):
+            raise ConfigError(f"--{key} needs a value")
+        if not apply_class_override(specs, key, text):
+            given.append((key, text, "command line", True))
+    errors: List[str] = [error for name, spec in specs.items() for error in check_class_spec(name, spec)]
+    for key, value, source, from_text in given:
+        try:
+            _assign(values, fields, key, value, source=source, from_text=from_text)
+        except ConfigError as error:
+            errors.append(str(error))
+    backend_source = next((source for key, _, source, _ in reversed(given) if key == "trainer.backend"), None)
+    if backend_source is not None and "backend" in values["trainer"]:
+        errors.extend(_unknown_backend(values["trainer"]["backend"], backend_source))
     built = {}
     for name, cls in classes.items():
+        if errors:
+            break
         try:
             built[name] = cls(**values[name])
         except (TypeError, ValueError) as error:
-            raise ConfigError(f"section {name!r}: {error}") from error
+            errors.append(f"section {name!r}: {error}")
+    if errors:
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{len(errors)} config errors:\n  " + "\n  ".join(errors))
     trainer = built["trainer"]
     trainer.checkpointer_args = built["checkpointer"]
     config = RunConfig(built)
+    config.class_specs = specs
     trainer.run_config = config  # lets the trainer save every section
     return config
+
+
+def _unknown_backend(name: Any, source: str) -> List[str]:
+    """The error for a backend name no backend is registered under (with the closest name), or none."""
+    from backends import available_backends
+
+    known = available_backends()
+    if not isinstance(name, str) or name in known:
+        return []
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return [f"trainer.backend={name!r} (from {source}): unknown backend; {hint}available backends: {', '.join(known)}"]
 
 
 def _split_arguments(argv: List[str]) -> Tuple[Optional[str], List[Tuple[str, Any]]]:
@@ -233,8 +303,8 @@ def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
             continue  # the id of the run that saved this config.yaml: not a setting
         if key in SHORTCUTS:
             flat[SHORTCUTS[key]] = value
-        elif value is None:
-            continue  # an empty section
+        elif value is None or is_class_spec(value):
+            continue  # an empty section, or a class_path one (framework/run/class_path.py)
         elif isinstance(value, Mapping):
             for name, item in value.items():
                 flat[f"{key}.{name}"] = item

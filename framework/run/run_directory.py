@@ -1,10 +1,13 @@
-"""One run per directory: a new run refuses to start where another run's files are.
+"""One run per directory: a new run never writes where another run's files are.
 
 Running the same command twice without ``resume`` would otherwise overwrite the first run's
 ``metrics.csv``, ``config.yaml`` and checkpoints. At setup, before anything is written,
-:func:`claim_run_directory` checks ``output_dir`` (:func:`check_output_dir_free`) and the
-checkpointer's own directory (``AbstractCheckpointer.prepare_run``); a run that continues
-the run already there (``resume="auto"``, or loading from its own ``save_dir``) may use them.
+:func:`choose_run_directory` moves a new run whose ``output_dir`` holds another run to
+``<output_dir>/version_<N>`` (``output_dir_in_use="new_version"``, the default, as Lightning's
+``version_N``), then :func:`claim_run_directory` checks ``output_dir``
+(:func:`check_output_dir_free`) and the checkpointer's own directory
+(``AbstractCheckpointer.prepare_run``): a run that continues the run already there
+(``resume="auto"``, or loading from its own ``save_dir``) may use them; any other is refused.
 """
 
 import os
@@ -83,6 +86,37 @@ def check_output_dir_free(output_dir: str, resuming: bool) -> None:
             f"output_dir {output_dir!r} already holds another run's files ({shown}) and this run does not resume "
             f"it, so it would overwrite them; {ways_on('output_dir (--trainer.output_dir)')}"
         )
+
+
+def free_version_dir(output_dir: str) -> str:
+    """``<output_dir>/version_<N>`` for the first N >= 1 that holds no run's files.
+
+    Example:
+        >>> import tempfile
+        >>> os.path.basename(free_version_dir(tempfile.mkdtemp()))
+        'version_1'
+    """
+    version = 1
+    while previous_run_files(os.path.join(output_dir, f"version_{version}")):
+        version += 1
+    return os.path.join(output_dir, f"version_{version}")
+
+
+def choose_run_directory(output_dir: str, in_use: str, checkpointer: "AbstractCheckpointer", backend: "TrainerBackend") -> str:
+    """The directory a new training run writes to: ``output_dir``, or with ``in_use="new_version"``
+    a free ``<output_dir>/version_<N>`` when ``output_dir`` holds another run this run does not
+    continue. Decided on rank zero, returned on every rank (call it on every rank).
+
+    Example:
+        run_dir = choose_run_directory(args.output_dir, args.output_dir_in_use, trainer.checkpointer, trainer.backend)
+    """
+
+    def choose() -> str:
+        if in_use != "new_version" or checkpointer.continues_existing_run() or not previous_run_files(output_dir):
+            return output_dir
+        return free_version_dir(output_dir)
+
+    return backend.run_on_rank_zero(choose, "failed to choose the run directory")
 
 
 def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", backend: "TrainerBackend") -> None:

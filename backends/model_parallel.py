@@ -1,0 +1,239 @@
+"""Tensor parallelism and FSDP2 on a 2-D ``("dp", "tp")`` device mesh: the model-parallel strategy.
+
+The ranks form a grid of ``data_parallel_size`` rows by ``tensor_parallel_size`` columns
+(rank ``r`` sits at row ``r // tp``, column ``r % tp``). Along ``tp`` the ranks of one row
+hold parts of one model replica, split by the module's tensor-parallel plan
+(``torch.distributed.tensor.parallel.parallelize_module``); they read identical batches. Along
+``dp`` the rows are data parallel, and each row's parameters are sharded over the rows by FSDP2
+(``fully_shard``), as the ``fsdp`` strategy does over every rank. Order (torchtitan's): tensor
+parallelism, then activation checkpointing and ``torch.compile`` where asked (the trainer
+wraps each unit's forward for checkpointing before the strategy runs, which is the same as
+wrapping it after: the plan works on submodules and parameters, not on ``forward``), then
+``fully_shard`` of the module's ``sharding_units()`` and the root over ``dp``.
+"""
+
+import logging
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+
+from backends.ddp import reduce_over
+from backends.environments import ClusterEnvironment
+from backends.fsdp import FSDP
+from backends.options import BackendArguments, option, strategy_options
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PARALLELIZE_MARK = "_applies_tensor_parallel_plan"
+"""Set on a ``parallelize`` method that only applies ``tensor_parallel_plan()`` (the framework's
+default): such a module needs a plan."""
+
+
+def custom_parallelize(module: torch.nn.Module) -> bool:
+    """True when ``module`` defines its own ``parallelize(tp_mesh)`` (not the default that applies the plan)."""
+    method = getattr(module, "parallelize", None)
+    return callable(method) and not getattr(method, DEFAULT_PARALLELIZE_MARK, False)
+
+
+def tensor_parallel_plan(module: torch.nn.Module) -> Optional[Dict[str, Any]]:
+    """``module.tensor_parallel_plan()`` (None when it has none).
+
+    Raises:
+        TypeError: the plan is not a dict of submodule names to ``ParallelStyle``.
+    """
+    method = getattr(module, "tensor_parallel_plan", None)
+    plan = method() if callable(method) else None
+    if plan is None:
+        return None
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    valid = isinstance(plan, dict) and all(
+        isinstance(key, str) and isinstance(style, ParallelStyle) for key, style in plan.items()
+    )
+    if not valid:
+        raise TypeError(
+            f"{type(module).__name__}.tensor_parallel_plan() must return a dict of submodule names to ParallelStyle "
+            f"(ColwiseParallel(), RowwiseParallel(), ...); got {plan!r}"
+        )
+    return plan
+
+
+class ModelParallel(FSDP):
+    """Tensor parallel within a group of ranks, FSDP2 data parallel across the groups.
+
+    The module says how its layers split: ``tensor_parallel_plan()`` (names relative to the
+    module, wildcards as ``parallelize_module`` takes them: ``{"layers.*.attention.wq":
+    ColwiseParallel()}``) or, for full control, ``parallelize(tp_mesh)``. A module with neither
+    is refused by :meth:`check_module`, before anything is built. Data goes by
+    :attr:`data_parallel_rank` (the row): tensor-parallel peers read identical batches and
+    share their per-rank state; ``train_batch_size`` is divided over the rows. Checkpoints are
+    DCP shards (as ``fsdp``), resumable on any mesh shape or one process.
+
+    Args:
+        tensor_parallel_size: ranks per model replica (``TrainerArguments.tensor_parallel_size``);
+            None: the processes of one node. Must divide the world size (checked in :meth:`setup`).
+        reshard_after_forward, timeout_seconds, use_gpu, cluster, compile: as for
+            :class:`~backends.fsdp.FSDP`.
+
+    Example:
+        >>> strategy = ModelParallel(tensor_parallel_size=2, use_gpu=False)  # torchrun --nproc_per_node=4: a 2x2 mesh
+        >>> strategy.tensor_parallel_size
+        2
+    """
+
+    name = "model-parallel"
+
+    def __init__(
+        self,
+        tensor_parallel_size: Optional[int] = None,
+        reshard_after_forward: bool = True,
+        timeout_seconds: float = 600.0,
+        *,
+        use_gpu: Optional[bool] = None,
+        cluster: Union[str, ClusterEnvironment, None] = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__(reshard_after_forward, timeout_seconds, use_gpu=use_gpu, cluster=cluster, compile=compile)
+        if tensor_parallel_size is not None and (
+            isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1
+        ):
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size!r} is invalid; allowed: None (the processes of one node) "
+                "or an integer >= 1 that divides the world size"
+            )
+        self.requested_tensor_parallel_size = tensor_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size or 1
+        self.device_mesh: Any = None
+
+    @classmethod
+    def from_arguments(cls, args: Optional[BackendArguments] = None) -> "ModelParallel":
+        """ModelParallel built with ``tensor_parallel_size``, ``reshard_after_forward``, ``ddp_timeout``,
+        ``use_gpu``, ``cluster`` and ``compile`` from a run's arguments (None: defaults).
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> ModelParallel.from_arguments(SimpleNamespace(tensor_parallel_size=2)).tensor_parallel_size
+            2
+        """
+        return cls(
+            tensor_parallel_size=option(args, "tensor_parallel_size"),
+            reshard_after_forward=option(args, "reshard_after_forward"),
+            timeout_seconds=option(args, "ddp_timeout"),
+            **strategy_options(args),
+        )
+
+    @property
+    def options(self) -> Dict[str, Any]:
+        return {**super().options, "tensor_parallel_size": self.requested_tensor_parallel_size}
+
+    # -- the grid -----------------------------------------------------------------------
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This rank's column: which part of each split layer it holds."""
+        return self.rank % self.tensor_parallel_size
+
+    def data_parallel_representatives(self) -> List[int]:
+        return [row * self.tensor_parallel_size for row in range(self.data_parallel_size)]
+
+    def setup(self) -> None:
+        """Join the process group, check ``tensor_parallel_size`` against the world size and build the mesh.
+
+        Raises:
+            ValueError: ``tensor_parallel_size`` does not divide the world size (the process
+                group is left again first).
+        """
+        super().setup()
+        try:
+            self.tensor_parallel_size = self._resolve_tensor_parallel_size()
+        except BaseException:
+            self.teardown()
+            raise
+        if self.distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = (self.data_parallel_size, self.tensor_parallel_size)
+            self.device_mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("dp", "tp"))
+        logger.debug(
+            "rank %d: data-parallel rank %d of %d, tensor-parallel rank %d of %d",
+            self.rank,
+            self.data_parallel_rank,
+            self.data_parallel_size,
+            self.tensor_parallel_rank,
+            self.tensor_parallel_size,
+        )
+
+    def _resolve_tensor_parallel_size(self) -> int:
+        size = self.requested_tensor_parallel_size
+        if size is None:  # the processes of this node (every node must have as many)
+            nodes = self.all_gather_object(self.cluster_environment.node_rank)
+            per_node = {node: nodes.count(node) for node in nodes}
+            if len(set(per_node.values())) != 1:
+                raise ValueError(
+                    f"tensor_parallel_size=None takes the processes of one node, but the nodes run different numbers of "
+                    f"processes ({per_node}); set tensor_parallel_size to a divisor of the world size {self.world_size}"
+                )
+            size = per_node[self.cluster_environment.node_rank]
+        if self.world_size % size:
+            divisors = [n for n in range(1, self.world_size + 1) if self.world_size % n == 0]
+            raise ValueError(
+                f"tensor_parallel_size={size} does not divide the world size {self.world_size}; allowed: one of "
+                f"{divisors} (the data-parallel size is world size / tensor_parallel_size)"
+            )
+        return size
+
+    # -- the module ---------------------------------------------------------------------
+    def check_module(self, module: torch.nn.Module) -> None:
+        """Refuse a module with neither ``tensor_parallel_plan()`` nor its own ``parallelize(tp_mesh)``.
+
+        Raises:
+            ValueError: naming both methods.
+            TypeError: the plan is not a dict of names to ``ParallelStyle``.
+        """
+        if custom_parallelize(module):
+            return
+        if not tensor_parallel_plan(module):
+            raise ValueError(
+                f"backend {self.name!r} splits the module's layers over tensor-parallel ranks, but "
+                f"{type(module).__name__} defines neither tensor_parallel_plan() (a dict of submodule names to "
+                "ParallelStyle, e.g. {'mlp.up': ColwiseParallel(), 'mlp.down': RowwiseParallel()}) nor "
+                "parallelize(tp_mesh); define one of them, or use a data-parallel backend (ddp, fsdp)"
+            )
+
+    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Split the user's module over ``tp`` (plan or ``parallelize``), then shard over ``dp``
+        (``module``: the step runner)."""
+        target = getattr(module, "module", module)
+        self.check_module(target)
+        if self.device_mesh is not None and self.tensor_parallel_size > 1:
+            tp_mesh = self.device_mesh["tp"]
+            if custom_parallelize(target):
+                target.parallelize(tp_mesh)  # type: ignore[operator]
+            else:
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                parallelize_module(target, tp_mesh, tensor_parallel_plan(target))
+        return super().wrap_module(module)
+
+    def sharding_mesh(self, module: torch.nn.Module) -> Any:
+        """The ``dp`` axis of the mesh (None with one data-parallel rank: nothing to shard)."""
+        if self.device_mesh is None or self.data_parallel_size == 1:
+            return None
+        return self.device_mesh["dp"]
+
+    def data_parallel_all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """Reduced over the ranks of this rank's ``dp`` axis (one per share of the data)."""
+        if self.device_mesh is None or self.tensor_parallel_size == 1:
+            return self.all_reduce(tensor, op)
+        return reduce_over(tensor, op, self.data_parallel_size, self.device_mesh.get_group("dp"))
+
+    def teardown(self) -> None:
+        self.device_mesh = None
+        super().teardown()

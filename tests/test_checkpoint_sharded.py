@@ -10,7 +10,7 @@ One 2-rank run (``sharded_scenarios``) trains every scenario in one process grou
 - a run whose weights turn NaN on one rank's shard at step 6: no rank writes a checkpoint
   from then on, the finite ones are kept, and a rerun resumes from the last finite one;
 - a new run pointed at the reference's sharded checkpoints: RunDirectoryInUse on every rank;
-- each rank given its own directory (as each node its own disk): the run is refused at start on
+- each rank given its own save_dir (as each node its own disk): the run is refused at start on
   every rank (``framework/run/shared_storage.py``), and a sharded save whose shards land in
   different directories is never marked complete (rank zero confirms every shard first).
 """
@@ -159,7 +159,9 @@ def sharded_scenarios(rank: int, out: str) -> Dict[str, Any]:
     finally:
         intruder.close()
 
-    own_disk = Trainer(TinyTransformer(), arguments(os.path.join(out, f"own-disk-{rank}")))
+    own_disk_args = arguments(os.path.join(out, "shared"))  # each rank's save_dir its own (rank zero does not choose it)
+    own_disk_args.checkpointer_args.save_dir = os.path.join(out, f"own-disk-{rank}")
+    own_disk = Trainer(TinyTransformer(), own_disk_args)
     try:
         own_disk.train()
         results["own_disk"] = "trained"
@@ -251,10 +253,12 @@ def test_each_rank_on_its_own_disk_is_refused_and_split_shards_are_never_marked_
     out, (rank0, rank1) = runs
     for index, rank in enumerate((rank0, rank1)):  # every rank stops, naming its own directory and rank 1
         own = os.path.join(out, f"own-disk-{index}")
-        assert f"output_dir (--trainer.output_dir) {own!r} is not the same storage on every node" in rank["own_disk"]
+        assert (
+            f"save_dir (--checkpointer.save_dir, by default <output_dir>/checkpoints) {own!r} is not the same storage"
+            in rank["own_disk"]
+        )
         assert "rank 1 (host" in rank["own_disk"] and "it is not there" in rank["own_disk"]
         assert "shared filesystem" in rank["own_disk"] and "fsspec URL" in rank["own_disk"]
-    own = os.path.join(out, "own-disk-0")
-    assert not [name for name in os.listdir(own) if name != "checkpoints"] and not os.listdir(os.path.join(own, "checkpoints"))
+    assert os.listdir(os.path.join(out, "own-disk-0")) == [] and os.listdir(os.path.join(out, "shared")) == []
     assert "__1_0.distcp (absent)" in rank0["split"] and "not marked complete" in rank0["split"]
     assert rank0["split_files"] == rank1["split_files"] == [f".{checkpoint_name(1, '')}.partial"]

@@ -54,7 +54,7 @@ class CheckpointIO:
     """
 
     weights_only = True
-    """True: nothing read may run code (sharded indexes are checked against their digest first)."""
+    """True: nothing read may run code (sharded indexes are read by an unpickler that admits only DCP's index classes)."""
 
     def write(self, path: str, obj: Any) -> None:
         """Write ``obj`` to ``path`` (a local path or fsspec URL)."""

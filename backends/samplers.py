@@ -1,7 +1,8 @@
 """The one sampler every built-in strategy hands out: seeded, sharded, resumable."""
 
+import operator
 from collections.abc import Mapping
-from typing import Any, Dict, Iterator, List, Sized, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sized, Tuple
 
 import torch
 from torch.utils.data import Sampler
@@ -53,8 +54,9 @@ class ResumableSampler(Sampler[int]):
         self.pad = pad
         self.epoch = 0
         self.skip = 0
-        self.position = 0
-        """Indices of this epoch handed out so far, skipped ones included (``state_dict()``'s ``skip``)."""
+        self._position = 0
+        self._iterator: Optional[Iterator[int]] = None  # the live epoch's indices (a list iterator)
+        self._shard_end = 0
         self._epoch_set = False
 
     def set_epoch(self, epoch: int) -> None:
@@ -94,13 +96,21 @@ class ResumableSampler(Sampler[int]):
             missing = self.world_size - self.dataset_size % self.world_size
             indices += (indices * (missing // max(len(indices), 1) + 1))[:missing]
         shard = indices[self.rank :: self.world_size]
-        return self._counted(shard, self.skip)
+        self._iterator, self._shard_end = iter(shard[self.skip :]), len(shard)
+        return self._iterator
 
-    def _counted(self, shard: List[int], start: int) -> Iterator[int]:
-        self.position = start
-        for index in shard[start:]:
-            self.position += 1  # before the yield: the index is handed out
-            yield index
+    @property
+    def position(self) -> int:
+        """Indices of this epoch handed out so far, skipped ones included (``state_dict()``'s ``skip``).
+
+        Read off the live list iterator's remaining length: counting costs nothing per index."""
+        if self._iterator is None:
+            return self._position
+        return self._shard_end - operator.length_hint(self._iterator)
+
+    @position.setter
+    def position(self, value: int) -> None:
+        self._position, self._iterator = value, None
 
     def state_dict(self) -> Dict[str, Any]:
         """The epoch and the indices of it handed out so far (the order itself is derived from the seed).

@@ -21,12 +21,14 @@ look: a rank that wrote onto another node's own disk is caught here), then write
 ``state.pt``, renames the directory into place and writes ``.complete``. A shard missing is
 an error (:class:`ShardsMissing`): the checkpoint stays ``.partial``, never marked complete.
 
-Safety: DCP unpickles ``.metadata`` with plain ``pickle``. It is unpickled only when its
-SHA-256 equals the digest in ``state.pt`` (itself read with ``weights_only``); a mismatch is
-a damaged checkpoint (:class:`~backends.checkpoint_io.CorruptCheckpoint`), a missing digest
-a refused one (:class:`~backends.checkpoint_io.CheckpointRefused`, unless the IO trusts
-pickles). Every error DCP raises while reading (its ``CheckpointException`` is a
-``BaseException``) is reported as :class:`~backends.checkpoint_io.CorruptCheckpoint`.
+Safety: DCP unpickles ``.metadata`` with plain ``pickle``; here it is read by
+:class:`~backends.dcp_index.IndexUnpickler`, which admits only the classes a DCP index is made
+of, so a hostile index is refused (:class:`~backends.checkpoint_io.CheckpointRefused`) before
+anything in it is called, whatever digest ``state.pt`` holds. The digest of ``.metadata`` in
+``state.pt`` only detects damage: a mismatch is a damaged checkpoint
+(:class:`~backends.checkpoint_io.CorruptCheckpoint`), skipped for an older one. Every error DCP
+raises while reading (its ``CheckpointException`` is a ``BaseException``) is reported as
+:class:`~backends.checkpoint_io.CorruptCheckpoint`.
 """
 
 import contextlib
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, file_digest
+from backends.dcp_index import SafeFileSystemReader, UnsafeIndex, read_index, safe_fsspec_reader
 
 logger = logging.getLogger(__name__)
 
@@ -176,9 +179,10 @@ def prepare_save(
         _confirm_shards(fs, partial, metadata)
         rest[DIGEST_KEY] = {"metadata_sha256": file_digest(fs.unstrip_protocol(posixpath.join(partial, INDEX_FILE)))}
         io.write(fs.unstrip_protocol(posixpath.join(partial, STATE_FILE)), rest)
+        fs.invalidate_cache()  # the other ranks wrote their shards: no listing of before
         if fs.exists(final):  # the same step saved again (e.g. the final save after a step save)
             fs.rm(final, recursive=True)
-        fs.mv(partial, final, recursive=True)
+        _move_directory(fs, partial, final)
         with fs.open(posixpath.join(final, COMPLETE_MARKER), "wb") as handle:
             handle.write(b"complete\n")
 
@@ -202,14 +206,14 @@ def load(
     Raises:
         FileNotFoundError: there is no directory at ``path``.
         CorruptCheckpoint: unfinished, damaged, or unreadable by DCP.
-        CheckpointRefused: ``.metadata`` carries no digest and ``io`` refuses pickles.
+        CheckpointRefused: ``.metadata`` names globals a DCP index does not (code could run).
         ValueError: the checkpoint holds module tensors ``target()`` does not have.
     """
     fs, directory = fsspec.core.url_to_fs(path)
     directory = directory.rstrip("/")
     rest = _verified_state(fs, directory, path, io)
     paths = marker_paths(rest)
-    reader = _reader(fs, directory)
+    reader = _reader(fs, directory, io.weights_only)
     if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
         initialize_optimizer_state(optimizers)
     available = split_sharded(target())[0] if target is not None else {}
@@ -219,6 +223,8 @@ def load(
             f"the checkpoint holds tensors this run's module does not have: {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}; load it into the same model"
         )
+    if target is not None:
+        _check_shapes(reader, {key: available[key] for key in paths if key in available}, fs.unstrip_protocol(directory))
     try:
         with _single_process_quietly():
             if target is None:  # full tensors, sized from the DCP index
@@ -258,6 +264,7 @@ def verify(path: str, io: CheckpointIO) -> None:
 
 def _verified_state(fs: Any, directory: str, path: str, io: CheckpointIO) -> Dict[str, Any]:
     """``state.pt`` of a finished checkpoint whose index is the one written with it."""
+    fs.invalidate_cache()  # written by other processes: never a cached listing
     if not fs.isdir(directory):
         raise FileNotFoundError(f"sharded checkpoint directory {path!r} does not exist")
     if not fs.exists(posixpath.join(directory, COMPLETE_MARKER)):
@@ -274,6 +281,7 @@ def _verified_state(fs: Any, directory: str, path: str, io: CheckpointIO) -> Dic
 
 def _confirm_shards(fs: Any, directory: str, metadata: Any) -> None:
     """Raise :class:`ShardsMissing` unless every file the DCP index names is in ``directory``, as long as it says."""
+    fs.invalidate_cache()  # the other ranks wrote their shards: no listing of before
     needed: Dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -292,26 +300,68 @@ def _confirm_shards(fs: Any, directory: str, metadata: Any) -> None:
 
 
 def _check_index(fs: Any, directory: str, rest: Dict[str, Any], io: CheckpointIO) -> None:
-    """Refuse to let DCP unpickle a ``.metadata`` that is not the one written with ``state.pt``."""
+    """Refuse a ``.metadata`` that is damaged (its digest differs from the one in ``state.pt``) or
+    that names anything but DCP's index classes (read by :class:`~backends.dcp_index.IndexUnpickler`)."""
     index = posixpath.join(directory, INDEX_FILE)
     expected = rest.get(DIGEST_KEY, {}).get("metadata_sha256") if isinstance(rest.get(DIGEST_KEY), dict) else None
-    if expected is None:
-        if io.weights_only:
-            raise CheckpointRefused(
-                f"{fs.unstrip_protocol(directory)}: its DCP index {INDEX_FILE} carries no digest (written by an older "
-                "version), and DCP unpickles it with plain pickle, which can run code; refusing to load it. If you trust "
-                "the directory, set checkpointer_args.weights_only=False (--checkpointer.weights_only false)"
-            )
-        return
     try:
         actual = file_digest(fs.unstrip_protocol(index))
     except FileNotFoundError as error:
         raise CorruptCheckpoint(f"its index {INDEX_FILE} is missing") from error
-    if actual != expected:
+    if expected is not None and actual != expected:
         raise CorruptCheckpoint(
             f"its index {INDEX_FILE} does not match the digest saved with the checkpoint (damaged or replaced); "
             "it was not unpickled"
         )
+    if not io.weights_only:
+        return  # trusted: DCP's own reader unpickles it
+    try:
+        with fs.open(index, "rb") as handle:
+            read_index(handle)
+    except UnsafeIndex as error:
+        raise CheckpointRefused(
+            f"{fs.unstrip_protocol(directory)}: its DCP index {INDEX_FILE} is not a plain DCP index: {error}; refusing "
+            "to load it (nothing in it was called). If you wrote it and trust it, set checkpointer_args.weights_only=False"
+        ) from error
+    except Exception as error:  # truncated or garbled: damaged
+        raise CorruptCheckpoint(f"its index {INDEX_FILE} is unreadable ({type(error).__name__}: {error})") from error
+
+
+def _check_shapes(reader: Any, targets: Dict[str, torch.Tensor], where: str) -> None:
+    """Refuse a checkpoint whose tensors have other (global) shapes than this run's: another model.
+
+    Raises:
+        ValueError: naming the first tensors whose shapes differ (never :class:`CorruptCheckpoint`:
+            the checkpoint is intact, and an older one would not fit either).
+    """
+    try:
+        with _single_process_quietly():
+            entries = reader.read_metadata().state_dict_metadata
+    except Exception:  # an unreadable index is reported by the load itself
+        return
+    differing = [
+        f"{key} {tuple(entries[key].size)} in the checkpoint, {tuple(tensor.shape)} in this run"
+        for key, tensor in targets.items()
+        if isinstance(entries.get(key), TensorStorageMetadata) and tuple(entries[key].size) != tuple(tensor.shape)
+    ]
+    if differing:
+        raise ValueError(
+            f"{where} was written by a model of another shape: {'; '.join(differing[:3])}"
+            f"{f' (and {len(differing) - 3} more)' if len(differing) > 3 else ''}. Resume it with the model that wrote "
+            "it, or start this model in a new output_dir (fine-tuning from a checkpoint needs the same shapes)"
+        )
+
+
+def _move_directory(fs: Any, source: str, target: str) -> None:
+    """Rename ``source`` to ``target``; on an object store (no directories, no renames: s3, gcs)
+    file by file (readers wait for ``.complete``, written after)."""
+    if _is_local(fs):
+        fs.mv(source, target, recursive=True)
+        return
+    for path in fs.find(source):
+        fs.mv(path, posixpath.join(target, posixpath.relpath(path, source)))
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(source, recursive=True)
 
 
 def _fresh_directory(fs: Any, path: str) -> None:
@@ -342,14 +392,17 @@ def _is_local(fs: Any) -> bool:
 def _writer(fs: Any, path: str) -> Any:
     if _is_local(fs):
         return dcp.FileSystemWriter(path)
-    from torch.distributed.checkpoint import FsspecWriter  # type: ignore[attr-defined]  # exported at runtime, not in the stubs
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not exported by the package in torch 2.13
 
     return FsspecWriter(fs.unstrip_protocol(path))
 
 
-def _reader(fs: Any, path: str) -> Any:
+def _reader(fs: Any, path: str, safe: bool = True) -> Any:
+    """DCP's reader for ``path``; ``safe``: its index read by :class:`~backends.dcp_index.IndexUnpickler`."""
     if _is_local(fs):
-        return dcp.FileSystemReader(path)
-    from torch.distributed.checkpoint import FsspecReader  # type: ignore[attr-defined]  # exported at runtime, not in the stubs
+        return SafeFileSystemReader(path) if safe else dcp.FileSystemReader(path)
+    if safe:
+        return safe_fsspec_reader(fs.unstrip_protocol(path))
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(fs.unstrip_protocol(path))

@@ -184,6 +184,7 @@ def framework_train(data: TensorDataset, epochs: int, output_dir: str, quiet: bo
         output_dir=tempfile.mkdtemp(dir=output_dir),
         use_gpu=False,
         disable_tqdm=True,  # the bar refreshes on a timer: counts would depend on the clock
+        plot_metrics=False,  # drawn once at the run's end: a fixed cost, and matplotlib's caches warm up run by run
         checkpointer_args={"period": 0, "save_at_end": False},
     )
     if quiet:

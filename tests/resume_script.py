@@ -63,6 +63,7 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--loggers", default="csv", help="TrainerArguments.loggers, comma-separated")
     parser.add_argument("--ema", type=float, default=None, help="an EMA callback with this decay")
     parser.add_argument("--swa-start", type=int, default=None, help="an SWA callback from this epoch")
+    parser.add_argument("--save-dir", default=None, help="checkpoint directory (default <out>/checkpoints)")
     parser.add_argument("--pipeline", default=None, help="a train loader of tests/pipelines.py (default: the toy's)")
     return parser.parse_args(argv)
 
@@ -195,7 +196,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     options = parse_arguments(argv)
     torch.set_num_threads(1)
     checkpointer_args = DefaultCheckpointerArguments(
-        save_dir=os.path.join(options.out, "checkpoints"),
+        save_dir=options.save_dir or os.path.join(options.out, "checkpoints"),
         save_every_n_steps=options.save_every,
         keep_last_n=options.keep_last,
         keep_best_n=1,

@@ -388,3 +388,41 @@ def test_ddp_checkpoint_loads_into_sp_and_back(tmp_path):
     Trainer(ToyModule(seed=1, scheduler="step"), args, callbacks=[recorder]).train()
     # ddp: 16 samples per rank per micro-batch; sp: 32 per micro-batch; same samples consumed.
     assert recorder.start["batches_finished_in_epoch"] == (mid - sp_steps)
+
+
+class LogsValidationCopy(ToyModule):
+    """Also logs ``val_copy``: the validation loss again (a metric the run may rank by)."""
+
+    def val_step(self, global_step, batch, device):
+        losses, correct = super().val_step(global_step, batch, device)
+        self.log("val_copy", losses.mean())
+        return losses, correct
+
+
+@pytest.mark.parametrize("metric", ["val_los", "val_acc_epoch"])
+def test_a_misspelt_checkpoint_metric_is_named_at_the_first_validation(tmp_path, metric):
+    from toy import toy_args
+
+    checkpoints = DefaultCheckpointerArguments(period=1, keep_last_n=1, keep_best_n=1, metric=metric)
+    trainer = Trainer(ToyModule(n_train=64, scheduler=None), toy_args(tmp_path, checkpoints, epochs=3))
+    with pytest.raises(ValueError, match=rf"metric={metric!r} is not recorded: the validation at step 2 recorded \['val_loss'\]"):
+        trainer.train()
+    assert trainer.global_steps_finished == 2  # stopped at the first validation
+    assert not os.path.exists(tmp_path / "run" / "checkpoints" / checkpoint_name(2))  # nothing kept that could not be ranked
+
+
+def test_load_weights_best_ranks_by_the_runs_own_metric_and_mode(tmp_path):
+    from toy import toy_args
+
+    from framework.checkpoint import load_weights
+
+    checkpoints = DefaultCheckpointerArguments(period=1, keep_last_n=None, metric="val_copy", mode="max")
+    trainer = Trainer(LogsValidationCopy(n_train=64, scheduler=None), toy_args(tmp_path, checkpoints, epochs=4))
+    trainer.train()
+    copies = {record["step"]: record["value"] for record in trainer.history.records if record["name"] == "val_copy"}
+    losses = {record["step"]: record["value"] for record in trainer.history.records if record["name"] == "val_loss"}
+    run_best, val_loss_best = max(copies, key=copies.__getitem__), min(losses, key=losses.__getitem__)
+    assert run_best != val_loss_best  # the two rankings disagree: the test tells them apart
+    url = load_weights(ToyModule(n_train=64, scheduler=None), str(tmp_path / "run" / "checkpoints"), step="best")
+    assert url.endswith(checkpoint_name(run_best))
+    assert trainer.validate(checkpoint="best")["val_copy"] == pytest.approx(copies[run_best])

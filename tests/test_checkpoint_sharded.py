@@ -12,7 +12,10 @@ One 2-rank run (``sharded_scenarios``) trains every scenario in one process grou
 - a new run pointed at the reference's sharded checkpoints: RunDirectoryInUse on every rank;
 - each rank given its own save_dir (as each node its own disk): the run is refused at start on
   every rank (``framework/run/shared_storage.py``), and a sharded save whose shards land in
-  different directories is never marked complete (rank zero confirms every shard first).
+  different directories is never marked complete (rank zero confirms every shard first);
+- a checkpoint whose ``.metadata`` is a pickle that would create a file, with its digest in
+  ``state.pt`` rewritten to match: ``validate(checkpoint=...)`` and ``resume="auto"`` refuse it
+  on both ranks, ``load_weights`` in the test process too, and no code runs.
 """
 
 import logging
@@ -28,10 +31,10 @@ from distributed import run_ranks
 from tiny_transformer import TinyTransformer
 
 from backends import sharded_checkpoint
-from backends.checkpoint_io import CheckpointIO
+from backends.checkpoint_io import CheckpointIO, file_digest
 from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback
-from framework.checkpoint import RunDirectoryInUse, load_weights
+from framework.checkpoint import CheckpointRefused, RunDirectoryInUse, load_weights
 from framework.checkpoint.default import checkpoint_name
 from framework.run.run_directory import check_output_dir_free
 from framework.run.shared_storage import StorageNotShared
@@ -104,6 +107,24 @@ def damage(checkpoints: str, marker: str) -> None:
         pickle.dump(WritesAFile(marker), handle)
 
 
+def tamper(checkpoint: str, marker: str) -> None:
+    """``.metadata`` replaced by a hostile pickle, and the digest in ``state.pt`` rewritten to match it."""
+    with open(os.path.join(checkpoint, ".metadata"), "wb") as handle:
+        pickle.dump(WritesAFile(marker), handle)
+    state = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=True)
+    state["sharded"]["metadata_sha256"] = file_digest(os.path.join(checkpoint, ".metadata"))
+    torch.save(state, os.path.join(checkpoint, "state.pt"))
+
+
+def outcome(action: Any) -> str:
+    """``"ran"``, or the error ``action()`` raised, as ``"TypeName: message"``."""
+    try:
+        action()
+        return "ran"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+
+
 def sharded_scenarios(rank: int, out: str) -> Dict[str, Any]:
     dist.init_process_group("gloo")
     results: Dict[str, Any] = {}
@@ -133,6 +154,13 @@ def sharded_scenarios(rank: int, out: str) -> Dict[str, Any]:
     results["resumed"] = full_weights(resumed)
     results["resumed_from"] = resumed.checkpointer.loaded_from
     results["skipped"] = [message for message in messages.messages if "was skipped" in message]
+    reshaped_args = arguments(damaged_dir, epochs=3)  # the same run resumed with a wider model
+    reshaped_args.checkpointer_args.resume = "auto"
+    messages.messages.clear()
+    reshaped = Trainer(TinyTransformer(width=32), reshaped_args)
+    results["reshaped"] = outcome(reshaped.train)
+    results["reshaped_skipped"] = [message for message in messages.messages if "was skipped" in message]
+    reshaped.close()
 
     nan_dir = os.path.join(out, "nan")
     nan_args = arguments(nan_dir, stop_on_nonfinite_loss=False)
@@ -180,6 +208,19 @@ def sharded_scenarios(rank: int, out: str) -> Dict[str, Any]:
     except sharded_checkpoint.ShardsMissing as error:
         results["split"] = str(error)
     results["split_files"] = sorted(os.listdir(os.path.dirname(split)))
+    tampered_dir = os.path.join(out, "tampered")
+    Trainer(TinyTransformer(), arguments(tampered_dir, max_steps=2)).train()
+    tampered = os.path.join(tampered_dir, "checkpoints", checkpoint_name(2, ""))
+    if rank == 0:
+        tamper(tampered, os.path.join(out, "tampered-pickle-ran"))
+    dist.barrier()
+    evaluator = Trainer(TinyTransformer(), arguments(tampered_dir))
+    results["tampered_validate"] = outcome(lambda: evaluator.validate(checkpoint=tampered))
+    tampered_args = arguments(tampered_dir)
+    tampered_args.checkpointer_args.resume = "auto"
+    tampered_resume = Trainer(TinyTransformer(), tampered_args)
+    results["tampered_resume"] = outcome(tampered_resume.train)
+    tampered_resume.close()
     logging.getLogger("framework.checkpoint.default").removeHandler(messages)
     dist.destroy_process_group()
     return results
@@ -262,3 +303,28 @@ def test_each_rank_on_its_own_disk_is_refused_and_split_shards_are_never_marked_
     assert os.listdir(os.path.join(out, "own-disk-0")) == [] and os.listdir(os.path.join(out, "shared")) == []
     assert "__1_0.distcp (absent)" in rank0["split"] and "not marked complete" in rank0["split"]
     assert rank0["split_files"] == rank1["split_files"] == [f".{checkpoint_name(1, '')}.partial"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_tampered_index_with_its_digest_rewritten_runs_no_code_anywhere(runs):
+    out, (rank0, rank1) = runs
+    tampered = os.path.join(out, "tampered", "checkpoints", checkpoint_name(2, ""))
+    for rank in (rank0, rank1):
+        for key in ("tampered_validate", "tampered_resume"):
+            assert "CheckpointRefused" in rank[key] and "io.open" in rank[key], rank[key]
+    with pytest.raises(CheckpointRefused, match="not a plain DCP index"):
+        load_weights(TinyTransformer(), tampered)
+    assert not os.path.exists(os.path.join(out, "tampered-pickle-ran"))  # nothing in it was called
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_changed_model_shape_is_named_not_reported_as_unreadable_checkpoints(runs):
+    _, (rank0, rank1) = runs
+    for rank in (rank0, rank1):
+        message = rank["reshaped"]
+        assert message.startswith("ValueError") and "written by a model of another shape" in message, message
+        assert checkpoint_name(STEPS, "") in message and "(32, 16) in the checkpoint, (32, 32) in this run" in message
+        assert "unreadable" not in message and "move them away" not in message
+        assert rank["reshaped_skipped"] == []  # no good checkpoint called damaged

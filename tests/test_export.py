@@ -160,3 +160,82 @@ def test_ddp_and_fsdp_export_full_weights_from_rank_zero(tmp_path):
     assert_same_weights(state_of(fresh), results[0]["fsdp_state"])
     assert not torch.equal(fresh.head.weight, TinyTransformer(seed=0).head.weight)  # trained, not the initial weights
     assert [name for name in results[0]["files"] if name.startswith("fsdp")] == ["fsdp", "fsdp.safetensors"]
+
+
+KILLING_EXPORT = """
+import os, signal, sys
+import torch
+from tiny_transformer import TinyTransformer
+from framework.checkpoint import safetensors_io, storage
+where, after = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(123)  # other weights than the export already there
+written = []
+original_write, original_mv = storage.write_atomically, None
+
+def write_then_die(fs, path, obj, serializer=torch.save):
+    original_write(fs, path, obj, serializer)
+    written.append(path)
+    if "-of-" in path and len(written) == after:
+        os.kill(os.getpid(), signal.SIGKILL)  # between shards
+
+storage.write_atomically = write_then_die
+if after < 0:  # die after the first shard moved into place
+    filesystem = type(storage.resolve(where)[0])
+    original_mv = filesystem.mv
+    def mv_then_die(self, *args, **kwargs):
+        original_mv(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+    filesystem.mv = mv_then_die
+safetensors_io.save_safetensors(TinyTransformer().state_dict(), where, max_shard_size=%d)
+"""
+
+
+def export_killed(where: str, after: int) -> int:
+    """A real process exporting other weights to ``where``, SIGKILLed after its ``after``-th staged
+    shard (``after=-1``: after its first shard moved into place); returns its exit status."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    script = KILLING_EXPORT % SHARD
+    return subprocess.run([sys.executable, "-c", script, where, str(after)], env=env, timeout=120).returncode
+
+
+def flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        last = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([last ^ 0x40]))
+
+
+def test_an_export_killed_between_shards_leaves_the_previous_one_whole_and_a_flipped_byte_is_refused(trained, tmp_path):
+    from backends.checkpoint_io import CorruptCheckpoint
+
+    trainer, _ = trained
+    where = str(tmp_path / "model.safetensors")
+    index = trainer.export_weights(where, max_shard_size=SHARD)
+    expected = state_of(trainer.module)
+    assert export_killed(where, after=2) == -9  # SIGKILLed with two of its shards written
+    module = TinyTransformer()
+    load_weights(module, index)  # the previous export, whole: not a mix of old and new shards
+    assert_same_weights(state_of(module), expected)
+
+    assert export_killed(where, after=-1) == -9  # killed while moving its shards into place
+    with pytest.raises(FileNotFoundError):  # no export rather than a mixed one
+        load_weights(TinyTransformer(), index)
+    trainer.export_weights(where, max_shard_size=SHARD)  # a new export cleans up what the killed ones left
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".")]
+    load_weights(module, index)
+    assert_same_weights(state_of(module), expected)
+
+    with open(tmp_path / "model.safetensors.index.json") as handle:
+        shards = sorted(set(json.load(handle)["weight_map"].values()))
+    flip_last_byte(str(tmp_path / shards[-1]))  # a weight's byte, as a disk or a copy may flip it
+    with pytest.raises(CorruptCheckpoint, match=f"{shards[-1]}.*does not match the SHA-256"):
+        load_weights(TinyTransformer(), index)
+    trainer.export_weights(str(tmp_path / "single.safetensors"))
+    flip_last_byte(str(tmp_path / "single.safetensors"))
+    with pytest.raises(CorruptCheckpoint, match="do not match the SHA-256 in its header"):
+        load_weights(TinyTransformer(), str(tmp_path / "single.safetensors"))

@@ -226,3 +226,29 @@ def test_entry_point_logger_is_chosen_by_name_in_a_fresh_process(tmp_path):
     with open(tmp_path / "run" / "metrics.jsonl") as handle:
         logged = Counter((record["name"], record["step"], record["value"]) for record in map(json.loads, handle))
     assert logged == csv_points(str(tmp_path / "run")) and logged
+
+
+def test_a_logger_given_as_a_string_is_one_logger(tmp_path):
+    from framework import TrainerArguments
+
+    assert TrainerArguments(loggers="csv").loggers == ["csv"]
+    with pytest.raises(ValueError, match="unknown logger 'tensorbord'"):
+        TrainerArguments(loggers="tensorbord")
+    Trainer(ToyModule(n_train=32), toy_args(tmp_path, loggers="csv")).train()
+    assert os.path.isfile(tmp_path / "run" / "metrics.csv")
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_leaves_no_mlflow_run_running(tmp_path, tracker_env):
+    out, uri = tmp_path / "run", tracker_env["MLFLOW_TRACKING_URI"]
+    command = [sys.executable, SCRIPT, str(out), "--loggers", "csv,mlflow", "--epochs", "1", "--kill", "mb:0:1"]
+    killed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=tracker_env, cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+    assert not os.path.isdir(out / "checkpoints") or not os.listdir(out / "checkpoints")  # killed before step 3's save
+    (orphan,) = mlflow_runs(uri)
+    assert orphan.info.status == "RUNNING"  # a SIGKILLed process ends nothing
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300, env=tracker_env, cwd=tmp_path)
+    assert finished.returncode == 0, finished.stdout[-3000:]
+    statuses = {run.info.run_id: run.info.status for run in mlflow_runs(uri)}
+    assert statuses.pop(orphan.info.run_id) == "KILLED"  # ended by the next start
+    assert list(statuses.values()) == ["FINISHED"]

@@ -104,15 +104,21 @@ def test_checkpoints_written_before_run_ids_existed_resume_without_error(run_a, 
     assert saved_run_id(newest(old_dir)) == resumed.run_id != run.run_id
 
 
-def _ddp_resumes(rank, foreign, optimizer_changed):
-    """Rank ``rank`` of 2 resumes two directories under ddp: what each resume raised."""
+def _ddp_resumes(rank, foreign, optimizer_changed, shared_save_dir):
+    """Rank ``rank`` of 2 resumes three directories under ddp (the last from another run's
+    ``save_dir``): what each resume raised."""
     import torch.distributed as dist
     from test_optimizer_changes import Configurable
 
-    dist.init_process_group("gloo")  # one group for both trainers (each uses the caller's group)
+    dist.init_process_group("gloo")  # one group for every trainer (each uses the caller's group)
     outcomes = []
-    for directory, module in ((foreign, ToyModule(n_train=64, scheduler="step")), (optimizer_changed, Configurable(kind="adam"))):
-        args = toy_args(directory, checkpoints(), epochs=3, backend="ddp")
+    cases = (
+        (foreign, ToyModule(n_train=64, scheduler="step"), None),
+        (optimizer_changed, Configurable(kind="adam"), None),
+        (os.path.join(foreign, "second"), ToyModule(n_train=64, scheduler="step"), shared_save_dir),
+    )
+    for directory, module, save_dir in cases:
+        args = toy_args(directory, checkpoints(save_dir=save_dir), epochs=3, backend="ddp")
         trainer = Trainer(module, args)
         try:
             trainer.train()
@@ -136,8 +142,47 @@ def test_ddp_refuses_a_foreign_checkpoint_and_another_optimizer_on_both_ranks(ru
     shutil.copy(newest(directory), foreign / "run" / "checkpoints" / "checkpoint-000000099.pt")
     changed = tmp_path / "changed"
     Trainer(Configurable(), toy_args(changed, checkpoints(), epochs=1)).train()  # SGD, then Adam under ddp
-    outcomes = run_ranks(_ddp_resumes, timeout=120, foreign=str(foreign), optimizer_changed=str(changed))
-    for rank_outcomes in outcomes:  # both ranks stopped (none hung), each naming what is wrong
-        refused, mismatch = rank_outcomes
+    shared = str(tmp_path / "shared-checkpoints")  # a run whose checkpoints go outside its output_dir
+    sharer = train(tmp_path / "sharer", epochs=1, save_dir=shared)
+    kept = sorted(os.listdir(shared))
+    outcomes = run_ranks(_ddp_resumes, timeout=120, foreign=str(foreign), optimizer_changed=str(changed), shared_save_dir=shared)
+    for rank_outcomes in outcomes:  # every rank stopped (none hung), each naming what is wrong
+        refused, mismatch, adopted = rank_outcomes
         assert refused.startswith("ForeignCheckpoint") and run.run_id in refused and other.run_id in refused
         assert mismatch.startswith("CheckpointMismatch") and "class SGD" in mismatch and "Adam" in mismatch
+        assert adopted.startswith("ForeignCheckpoint") and sharer.run_id in adopted and "two runs share one save_dir" in adopted
+    assert sorted(os.listdir(shared)) == kept  # nothing adopted, nothing deleted
+
+
+def test_two_runs_in_two_output_dirs_sharing_one_save_dir_in_sequence_the_second_adopts_nothing(tmp_path):
+    from framework.checkpoint import RunDirectoryInUse
+
+    shared = str(tmp_path / "shared-checkpoints")
+    first = train(tmp_path / "first", epochs=2, save_dir=shared, keep_last_n=1)
+    kept = sorted(os.listdir(shared))
+    assert len(kept) == 1
+    with pytest.raises(ForeignCheckpoint) as refused:  # resume="auto" from another output_dir
+        train(tmp_path / "second", epochs=3, save_dir=shared, keep_last_n=1)
+    message = str(refused.value)
+    assert first.run_id in message and str(tmp_path / "first" / "run") in message and "choose another save_dir" in message
+    assert sorted(os.listdir(shared)) == kept  # nothing adopted, nothing deleted
+    with pytest.raises(RunDirectoryInUse, match="already holds checkpoints of another run"):  # without resume
+        train(tmp_path / "second", epochs=3, save_dir=shared, resume=None)
+    resumed = train(tmp_path / "first", epochs=3, save_dir=shared, keep_last_n=1)  # the owner resumes
+    assert resumed.run_id == first.run_id and resumed.global_steps_finished > first.global_steps_finished
+    shutil.rmtree(tmp_path / "first")  # the owner's output_dir is gone: its checkpoints may be continued
+    continued = train(tmp_path / "second", epochs=4, save_dir=shared, keep_last_n=1)
+    assert continued.run_id == first.run_id
+
+
+def test_a_finished_run_resumed_says_nothing_is_left_to_do_and_which_settings_differ(run_a, tmp_path, framework_log):
+    shutil.copytree(run_a[0] / "run", tmp_path / "run")  # a finished 2-epoch run (copied: run_a stays as it is)
+    finished = run_a[1].global_steps_finished
+    fewer = train(tmp_path, epochs=1)
+    assert fewer.global_steps_finished == finished
+    said = [line for line in framework_log if "nothing to do" in line]
+    assert len(said) == 1 and f"finished at step {finished} (2 epochs)" in said[0] and "trainer.epochs: 2 -> 1" in said[0]
+    framework_log.clear()
+    train(tmp_path, epochs=1)  # the same command again: its settings are now the run's own
+    said = [line for line in framework_log if "nothing to do" in line]
+    assert len(said) == 1 and "the settings are the run's own" in said[0]

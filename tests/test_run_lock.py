@@ -18,7 +18,7 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.run.run_lock import LOCK_NAME, STALE_AFTER_SECONDS, RunLocked
+from framework.run.run_lock import LOCK_NAME, STALE_AFTER_SECONDS, RunLocked, process_start_time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")
@@ -42,20 +42,25 @@ def wait_for(condition, timeout=60.0):
 @pytest.mark.slow
 def test_a_second_run_on_a_live_runs_directory_is_refused_naming_the_holder(tmp_path):
     out = tmp_path / "run"
-    first = start_script(out, "--epochs", "100", "--step-sleep", "0.05")
+    shared = tmp_path / "shared-checkpoints"  # outside its output_dir: locked too
+    first = start_script(out, "--epochs", "100", "--step-sleep", "0.05", "--save-dir", str(shared))
     try:
-        wait_for(lambda: (out / LOCK_NAME).exists() and (out / "checkpoints").exists())
+        wait_for(lambda: shared.exists() and any(name.startswith("checkpoint-") for name in os.listdir(shared)))
         holder = json.loads((out / LOCK_NAME).read_text())
         assert (holder["pid"], holder["host"]) == (first.pid, socket.gethostname())
-        with pytest.raises(RunLocked, match=f"pid {first.pid} on host {socket.gethostname()}"):
-            train(tmp_path)  # the same directory, resume="auto": a double submit
+        with pytest.raises(RunLocked, match=f"pid {first.pid} on host {socket.gethostname()}") as refused:
+            train(tmp_path, save_dir=str(shared))  # the same directories, resume="auto": a double submit
+        assert "kill" not in str(refused.value) and "older than 120 s is taken over" in str(refused.value)
+        with pytest.raises(RunLocked, match=f"save_dir {str(shared)!r} is in use by a live run .pid {first.pid}"):
+            train(tmp_path / "elsewhere", save_dir=str(shared))  # another output_dir, the same save_dir, at once
+        assert not (tmp_path / "elsewhere" / "run" / LOCK_NAME).exists()  # its output_dir lock given back
         assert first.poll() is None  # the first run trains on
         first.send_signal(signal.SIGTERM)  # a preempted run gives its lock back too
         output, _ = first.communicate(timeout=120)
     finally:
         first.kill()
     assert first.returncode == 75, output[-3000:]
-    assert not (out / LOCK_NAME).exists()
+    assert not (out / LOCK_NAME).exists() and not (shared / LOCK_NAME).exists()
 
 
 def dead_pid():
@@ -64,28 +69,51 @@ def dead_pid():
     return process.pid
 
 
-def write_lock(directory, pid, host, age):
+def write_lock(directory, pid, host, age, started=None):
     directory.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    (directory / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host, "started": now - age, "heartbeat": now - age}))
+    started = now - age if started is None else started
+    (directory / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": host, "started": started, "heartbeat": now - age}))
 
 
-def train(tmp_path, module=None):
-    checkpoints = DefaultCheckpointerArguments(period=1, resume="auto")
+def train(tmp_path, module=None, save_dir=None):
+    checkpoints = DefaultCheckpointerArguments(period=1, resume="auto", save_dir=save_dir)
     trainer = Trainer(module or ToyModule(n_train=64, scheduler=None), toy_args(tmp_path, checkpoints))
     trainer.train()
     return trainer
 
 
+@pytest.fixture
+def live_process():
+    """A live process on this host that holds no lock (what now owns a dead run's pid)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield process
+    process.kill()
+    process.wait()
+
+
 @pytest.mark.parametrize(
     "host, pid, age",
-    [("this host", "dead", 0.0), ("node-elsewhere", 1, STALE_AFTER_SECONDS + 5)],
-    ids=["dead-pid-on-this-host", "old-heartbeat-from-another-host"],
+    [
+        ("this host", "dead", 0.0),
+        ("node-elsewhere", 1, STALE_AFTER_SECONDS + 5),
+        ("this host", "live", STALE_AFTER_SECONDS + 5),  # pid reused, heartbeat stale
+        ("this host", "live", 30.0),  # pid reused: its process started after the lock was taken
+        ("this host", "self", 30.0),  # a restarted container: this very process has the dead run's pid
+    ],
+    ids=["dead-pid-on-this-host", "old-heartbeat-from-another-host", "live-pid-old-heartbeat", "reused-pid", "own-pid"],
 )
-def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, framework_log, host, pid, age):
+def test_a_lock_left_by_a_dead_run_is_taken_over_with_a_warning(tmp_path, framework_log, host, pid, age, request):
     host = socket.gethostname() if host == "this host" else host
+    if pid == "live":
+        process = request.getfixturevalue("live_process")
+        wait_for(lambda: os.path.exists(f"/proc/{process.pid}"))
+        pid = process.pid
+    started = None
+    if pid == "self":  # the lock was taken before this process started: by an earlier process with its pid
+        pid, started = os.getpid(), process_start_time(os.getpid()) - 60
     pid = dead_pid() if pid == "dead" else pid
-    write_lock(tmp_path / "run", pid, host, age)
+    write_lock(tmp_path / "run", pid, host, age, started)
     trainer = train(tmp_path)
     assert trainer.global_steps_finished == 2
     assert any("taking over the run lock" in line and f"pid {pid} on host {host}" in line for line in framework_log)

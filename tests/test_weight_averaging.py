@@ -117,3 +117,20 @@ def test_ema_and_swa_resume_exactly_after_kill_9(tmp_path):
         assert torch.equal(resumed[key], reference[key]), key
     assert resumed["history"] == reference["history"]
     assert os.path.exists(killed_dir / "checkpoints")
+
+
+def test_swa_resumed_mid_annealing_uses_its_annealed_rate_without_a_configured_lr_warning(tmp_path, framework_log):
+    from framework.checkpoint import DefaultCheckpointerArguments
+
+    def swa():
+        return SWA(swa_lrs=0.01, swa_epoch_start=1, annealing_epochs=2, annealing_strategy="linear")
+
+    checkpoints = DefaultCheckpointerArguments(period=1, resume="auto")
+    Trainer(ToyModule(n_train=32, scheduler=None), toy_args(tmp_path, checkpoints, epochs=2), callbacks=[swa()]).train()
+    recorder = WeightsAfterEachStep()
+    resumed = Trainer(
+        ToyModule(n_train=32, scheduler=None), toy_args(tmp_path, checkpoints, epochs=3), callbacks=[swa(), recorder]
+    )
+    resumed.train()
+    assert recorder.learning_rates and recorder.learning_rates == [pytest.approx(0.01)] * len(recorder.learning_rates)  # SWA's
+    assert not [line for line in framework_log if "using the configured" in line]

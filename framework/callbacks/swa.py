@@ -2,7 +2,7 @@
 
 import logging
 import math
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -145,6 +145,10 @@ class SWA(WeightAveraging):
             for norm, momentum in momenta.items():
                 norm.momentum = momentum
             trainer.module.train(was_training)
+
+    def drives_hyperparameters(self) -> Tuple[str, ...]:
+        """``("lr",)`` once SWA has begun: its annealed rate, not the configured one, is used on resume."""
+        return ("lr",) if self.start_lrs is not None else ()
 
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()

@@ -1,6 +1,7 @@
 """DefaultCheckpointer: when and where checkpoints are written, which are kept, which one a run
 resumes from, for every backend (the strategy writes and reads each checkpoint)."""
 
+import difflib
 import logging
 import time
 from typing import IO, Any, Callable, Dict, List, Optional, Sequence
@@ -28,6 +29,7 @@ from framework.checkpoint.retention import (
     model_name,
 )
 from framework.checkpoint.staging import StagingBuffers, copy_to_cpu
+from framework.checkpoint.storage_check import check_storage_serves
 from framework.run.run_directory import RUN_ENTRY, RunDirectoryInUse, ways_on
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,13 @@ class DefaultCheckpointer(AbstractCheckpointer):
         self.resumed_own_run = False
         """True when the last :meth:`load` took a checkpoint from ``save_dir`` (a restart of this run)."""
         self._prepared = False
+        self._metric_seen = False
+
+    def setup(self, strategy: Strategy) -> None:
+        """Told which strategy writes and reads; refuses storage its processes cannot share (``memory://``)."""
+        super().setup(strategy)
+        locations = {"save_dir": self.save_dir, "load_dir": self.args.load_dir, "load_filename": self.args.load_filename}
+        check_storage_serves(strategy.world_size, strategy.name, locations)
 
     # -- one run per directory ----------------------------------------------------------
     def use_default_dir(self, default_dir: str) -> None:
@@ -191,6 +200,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 where,
             )
             return None
+        self._check_metric(checkpoint.metrics, checkpoint.global_step)
         self._scores.record(name, checkpoint.metrics.get(self.args.metric))
         write = strategy.save_checkpoint(self._url(name), checkpoint.to_dict(), self._io, copy=self.args.async_save)
 
@@ -217,6 +227,24 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 error = caught
             strategy.raise_if_any_failed(error, "save a checkpoint")
         return self._url(name)
+
+    def _check_metric(self, metrics: Dict[str, float], step: int) -> None:
+        """Refuse a ``metric`` never recorded once metrics of its kind (``val_...``) are: it would rank nothing."""
+        metric = self.args.metric
+        if self._metric_seen or metric in metrics:
+            self._metric_seen = self._metric_seen or metric in metrics
+            return
+        if not self.args.keep_best_n and metric == DefaultCheckpointerArguments.metric:
+            return  # the default, and nothing kept by it
+        kind = metric.split("_", 1)[0] + "_"
+        recorded = sorted(name for name in metrics if name.startswith(kind))
+        if recorded:
+            close = difflib.get_close_matches(metric, recorded, n=1)
+            raise ValueError(
+                f"checkpointer_args.metric={metric!r} is not recorded: the validation at step {step} recorded "
+                f"{recorded}{f' (did you mean {close[0]!r}?)' if close else ''}; no checkpoint could be ranked by it "
+                "(--checkpointer.metric NAME)"
+            )
 
     def _wait_on_every_rank(self) -> None:
         """Wait for the save in flight; if it failed on any rank, raise on every rank."""
@@ -298,7 +326,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
         Raises:
             CheckpointRefused: ``weights_only`` refuses a file (pickled objects, blocked modules,
-                bytes before the archive, a sharded index without its digest); the run stops,
+                bytes before the archive, a sharded index naming other globals); the run stops,
                 the file is left as it is.
             OSError: listing or reading failed on every retry (EIO, permission).
             ValueError: a checkpoint is intact but not of this format or version.
@@ -388,7 +416,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
     # -- state ----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        return {"scores": self._scores.state_dict(), "save_dir": self.save_dir}
+        return {"scores": self._scores.state_dict(), "save_dir": self.save_dir, "metric": self.metric, "mode": self.mode}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         saved_dir = state.get("save_dir")

@@ -14,7 +14,7 @@ class FileIO(CheckpointIO):
 
     Args:
         serialize: writes an object to an open binary handle (the checkpointer's ``serialize``).
-        weights_only: refuse pickled objects when reading (sharded indexes: checked against their digest).
+        weights_only: refuse pickled objects when reading (sharded indexes: only DCP's index classes).
         stage: copies a state for a background write (default: fresh CPU copies).
 
     Example:

@@ -1,17 +1,30 @@
 """Weights as ``.safetensors``: one file, or Hugging Face's sharded layout with an index
 (``model-00001-of-00003.safetensors`` ... plus ``model.safetensors.index.json``).
 
-Needs the ``[safetensors]`` extra. Paths may be local or fsspec URLs; each file is written
-atomically (a reader never sees half a file).
+Needs the ``[safetensors]`` extra. Paths may be local or fsspec URLs.
+
+An export appears whole or not at all: each file is written atomically; a sharded export
+writes its shards under hidden ``.<shard>.partial`` names first (the previous export stays
+whole meanwhile), then removes the previous index, moves the shards into place and writes
+its index last. A process killed at any point leaves the previous export, no export (no
+index), or the new one, never a mix.
+
+Damage is detected: every file the framework writes carries the SHA-256 of its tensor bytes
+in its safetensors header (``__metadata__["sha256"]``), and a sharded index the SHA-256 of
+every shard file (``metadata["sha256"]``); :func:`load_safetensors` checks both when present
+(files written elsewhere carry none and load as they are).
 """
 
+import hashlib
 import json
 import logging
+import posixpath
 import re
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from backends.checkpoint_io import CorruptCheckpoint
 from framework.checkpoint import storage
 
 logger = logging.getLogger(__name__)
@@ -77,14 +90,25 @@ def save_safetensors(state_dict: Dict[str, torch.Tensor], path: str, max_shard_s
         _write(fs, target, tensors)
         _remove_stale_index(fs, storage.join(directory, stem + INDEX_SUFFIX))
         return fs.unstrip_protocol(target)
+    _remove_partials(fs, directory, stem)
+    names = [f"{stem}-{number:05d}-of-{len(shards):05d}{SUFFIX}" for number in range(1, len(shards) + 1)]
     weight_map: Dict[str, str] = {}
-    for number, shard in enumerate(shards, start=1):
-        shard_name = f"{stem}-{number:05d}-of-{len(shards):05d}{SUFFIX}"
-        _write(fs, storage.join(directory, shard_name), shard)
+    digests: Dict[str, str] = {}
+    for shard_name, shard in zip(names, shards):  # the previous export stays whole meanwhile
+        data = encode(shard)
+        storage.write_atomically(fs, storage.join(directory, f".{shard_name}.partial"), data, serializer=_write_bytes)
+        digests[shard_name] = hashlib.sha256(data).hexdigest()
         weight_map.update(dict.fromkeys(shard, shard_name))
-    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     index_path = storage.join(directory, stem + INDEX_SUFFIX)
+    if fs.exists(index_path):  # from here until the new index is written, there is no export
+        fs.rm(index_path)
+    for old_shard in _shards_of(fs, directory, stem):
+        if posixpath.basename(old_shard) not in digests:
+            fs.rm(old_shard)
+    for shard_name in names:
+        fs.mv(storage.join(directory, f".{shard_name}.partial"), storage.join(directory, shard_name))
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    index = {"metadata": {"total_size": total, "sha256": digests}, "weight_map": weight_map}
     storage.write_atomically(fs, index_path, json.dumps(index, indent=2).encode(), serializer=_write_bytes)
     return fs.unstrip_protocol(index_path)
 
@@ -94,20 +118,21 @@ def load_safetensors(path: str) -> Tuple[str, Dict[str, torch.Tensor]]:
 
     Raises:
         FileNotFoundError: the file, or a shard the index names, is missing.
+        CorruptCheckpoint: a file's bytes differ from the SHA-256 its header or the index records.
 
     Example:
         url, state_dict = load_safetensors("export/model.safetensors.index.json")
     """
-    from safetensors.torch import load
-
     fs, target = storage.resolve(path)
     if not fs.isfile(target):
         raise FileNotFoundError(f"{path!r}: no such safetensors file")
     if not target.endswith(INDEX_SUFFIX):
         with fs.open(target, "rb") as handle:
-            return fs.unstrip_protocol(target), load(handle.read())
+            return fs.unstrip_protocol(target), decode(handle.read(), fs.unstrip_protocol(target))
     with fs.open(target, "rb") as handle:
-        weight_map: Dict[str, str] = json.load(handle)["weight_map"]
+        index = json.load(handle)
+    weight_map: Dict[str, str] = index["weight_map"]
+    recorded = (index.get("metadata") or {}).get("sha256") or {}
     directory = target.rpartition("/")[0]
     state: Dict[str, torch.Tensor] = {}
     for shard_name in dict.fromkeys(weight_map.values()):
@@ -115,7 +140,13 @@ def load_safetensors(path: str) -> Tuple[str, Dict[str, torch.Tensor]]:
         if not fs.isfile(shard_path):
             raise FileNotFoundError(f"{path!r} names the shard {shard_name!r}, which is missing")
         with fs.open(shard_path, "rb") as handle:
-            state.update(load(handle.read()))
+            data = handle.read()
+        if shard_name in recorded and hashlib.sha256(data).hexdigest() != recorded[shard_name]:
+            raise CorruptCheckpoint(
+                f"{path!r}: the shard {shard_name!r} does not match the SHA-256 its index records (damaged, or "
+                "written by another export); export the weights again"
+            )
+        state.update(decode(data, fs.unstrip_protocol(shard_path)))
     missing = sorted(set(weight_map) - set(state))
     if missing:
         raise ValueError(f"{path!r}: the shards lack {missing[:5]} named in the index")
@@ -149,10 +180,64 @@ def _split(tensors: Dict[str, torch.Tensor], limit: Optional[int]) -> List[Dict[
     return shards
 
 
-def _write(fs: Any, path: str, tensors: Dict[str, torch.Tensor]) -> None:
+def encode(tensors: Dict[str, torch.Tensor]) -> bytes:
+    """``tensors`` as safetensors bytes whose header records the SHA-256 of the tensor bytes.
+
+    Example:
+        >>> data = encode({"w": torch.ones(2)})
+        >>> decode(data, "w.safetensors")["w"]
+        tensor([1., 1.])
+        >>> flipped = data[:-1] + bytes([data[-1] ^ 1])
+        >>> decode(flipped, "w.safetensors")
+        Traceback (most recent call last):
+        ...
+        backends.checkpoint_io.CorruptCheckpoint: w.safetensors: its tensor bytes do not match the SHA-256 in its header (damaged)
+    """
     from safetensors.torch import save
 
-    storage.write_atomically(fs, path, save(tensors, metadata={"format": "pt"}), serializer=_write_bytes)
+    body = _tensor_bytes(save(tensors))  # the tensor bytes do not depend on the header's metadata
+    return save(tensors, metadata={"format": "pt", "sha256": hashlib.sha256(body).hexdigest()})
+
+
+def decode(data: bytes, where: str) -> Dict[str, torch.Tensor]:
+    """The tensors in safetensors ``data`` (read from ``where``), checked against the SHA-256 in its header if any.
+
+    Raises:
+        CorruptCheckpoint: the tensor bytes differ from the recorded SHA-256.
+    """
+    from safetensors.torch import load
+
+    header_size = int.from_bytes(data[:8], "little")
+    try:
+        metadata = json.loads(data[8 : 8 + header_size]).get("__metadata__") or {}
+    except ValueError as error:
+        raise CorruptCheckpoint(f"{where}: its safetensors header is unreadable ({error})") from error
+    expected = metadata.get("sha256")
+    if expected is not None and hashlib.sha256(_tensor_bytes(data)).hexdigest() != expected:
+        raise CorruptCheckpoint(f"{where}: its tensor bytes do not match the SHA-256 in its header (damaged)")
+    return load(data)
+
+
+def _tensor_bytes(data: bytes) -> bytes:
+    return data[8 + int.from_bytes(data[:8], "little") :]
+
+
+def _write(fs: Any, path: str, tensors: Dict[str, torch.Tensor]) -> None:
+    storage.write_atomically(fs, path, encode(tensors), serializer=_write_bytes)
+
+
+def _shards_of(fs: Any, directory: str, stem: str) -> List[str]:
+    """The shard files of a sharded export named ``stem`` in ``directory``."""
+    pattern = re.compile(rf"^{re.escape(stem)}-\d{{5}}-of-\d{{5}}{re.escape(SUFFIX)}$")
+    return [path for path in storage.list_entries(fs, directory) if pattern.match(posixpath.basename(path))]
+
+
+def _remove_partials(fs: Any, directory: str, stem: str) -> None:
+    """Shards staged by an export that was killed before it moved them into place."""
+    pattern = re.compile(rf"^\.{re.escape(stem)}-\d{{5}}-of-\d{{5}}{re.escape(SUFFIX)}\.partial$")
+    for path in storage.list_entries(fs, directory):
+        if pattern.match(posixpath.basename(path)):
+            fs.rm(path)
 
 
 def _write_bytes(data: Any, handle: Any) -> None:

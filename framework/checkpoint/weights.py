@@ -23,8 +23,8 @@ def load_weights(
     module: torch.nn.Module,
     path_or_dir: str,
     step: Step = "last",
-    metric: str = "val_loss",
-    mode: str = "min",
+    metric: Optional[str] = None,
+    mode: Optional[str] = None,
     weights_only: bool = True,
     strategy: Optional[Strategy] = None,
 ) -> str:
@@ -39,7 +39,9 @@ def load_weights(
 
     - ``"last"``: the newest checkpoint that reads back (a damaged newer one is skipped, as on resume);
     - ``"best"``: the one whose ``metric`` value, as recorded in the run's history at its step,
-      is lowest (``mode="min"``) or highest (``mode="max"``);
+      is lowest (``mode="min"``) or highest (``mode="max"``); by default the metric and mode
+      the run ranked its checkpoints by (``checkpointer_args.metric``/``mode``, recorded in its
+      checkpoints; ``"val_loss"``/``"min"`` for checkpoints written before they were);
     - an ``int``: the checkpoint taken after that many optimizer steps.
 
     Without ``strategy`` the full weights are read in this process alone (sharded ones too: no
@@ -77,13 +79,13 @@ def load_weights(
 
 
 def resolve_checkpoint(
-    path_or_dir: str, step: Step = "last", metric: str = "val_loss", mode: str = "min", weights_only: bool = True
+    path_or_dir: str, step: Step = "last", metric: Optional[str] = None, mode: Optional[str] = None, weights_only: bool = True
 ) -> str:
     """The URL of the checkpoint :func:`load_weights` would load (same arguments); a directory of
     checkpoints is searched (and its candidates read) in this process alone."""
     if not (step in ("last", "best") or (isinstance(step, int) and not isinstance(step, bool) and step >= 0)):
         raise ValueError(f"step={step!r} is invalid; allowed: 'last', 'best' or an optimizer step (an integer >= 0)")
-    if mode not in ("min", "max"):
+    if mode not in (None, "min", "max"):
         raise ValueError(f"mode={mode!r} is invalid; allowed: 'min', 'max'")
     fs, path = storage.resolve(path_or_dir)
     if fs.isfile(path) or (fs.isdir(path) and SHARDED_NAME.match(path.rstrip("/").rsplit("/", 1)[-1])):
@@ -104,7 +106,7 @@ def _module_state(data: Any) -> Dict[str, Any]:
     return data  # a model export: the module's get_state()
 
 
-def _from_directory(directory: str, step: Step, metric: str, mode: str, weights_only: bool) -> str:
+def _from_directory(directory: str, step: Step, metric: Optional[str], mode: Optional[str], weights_only: bool) -> str:
     checkpointer = DefaultCheckpointer(
         DefaultCheckpointerArguments(save_dir=directory, load_dir=directory, weights_only=weights_only)
     )
@@ -116,6 +118,9 @@ def _from_directory(directory: str, step: Step, metric: str, mode: str, weights_
         raise FileNotFoundError(f"{directory!r} holds no checkpoint (checkpoint-*.pt file or checkpoint-* directory)")
     if step == "last":
         return str(checkpointer.loaded_from)
+    chosen = latest.trainer_state.get("checkpointer", {}) if isinstance(latest.trainer_state, dict) else {}
+    metric = metric or chosen.get("metric") or "val_loss"  # the run's own choice
+    mode = mode or (chosen.get("mode") if chosen.get("metric") == metric else None) or "min"
     scores = _scores_by_step(latest, metric)
     ranked = sorted(scores, key=scores.__getitem__, reverse=mode == "max")
     for best_step in ranked:

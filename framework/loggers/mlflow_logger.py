@@ -10,6 +10,8 @@ from framework.loggers.artifacts import artifact_paths
 from framework.loggers.base import Logger, Record, RunInfo
 
 logger = logging.getLogger("framework")
+OUTPUT_DIR_TAG = "framework.output_dir"
+"""The MLflow run tag holding the run's absolute ``output_dir``."""
 
 _BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics and 100 params per call
 _PARAM_BATCH = 100
@@ -44,7 +46,9 @@ class MLflowLogger(Logger):
     ``FINISHED``, ``FAILED`` or ``KILLED`` (preempted).
 
     The MLflow run id is part of the checkpoint (:meth:`state_dict`), so a resumed or requeued
-    run logs into the same MLflow run. On start, the points MLflow already holds are matched
+    run logs into the same MLflow run. Each run is tagged with its ``output_dir``
+    (:data:`OUTPUT_DIR_TAG`): a run whose process died before its first checkpoint is ended
+    ``KILLED`` when the next run starts there. On start, the points MLflow already holds are matched
     against the restored history, so a step logged before a kill is never logged twice, and
     a value a failed tracker missed is sent late.
 
@@ -83,8 +87,11 @@ class MLflowLogger(Logger):
         client = self._client = self._client_class(tracking_uri=self.tracking_uri)
         self._output_dir = run.output_dir
         if self.run_id is None:
-            name = self.run_name or os.path.basename(os.path.normpath(os.path.abspath(run.output_dir)))
-            self.run_id = client.create_run(self._experiment_id(client), run_name=name).info.run_id
+            output_dir = os.path.abspath(run.output_dir)
+            name = self.run_name or os.path.basename(os.path.normpath(output_dir))
+            experiment = self._experiment_id(client)
+            self._end_orphans(client, experiment, output_dir)
+            self.run_id = client.create_run(experiment, run_name=name, tags={OUTPUT_DIR_TAG: output_dir}).info.run_id
             logger.info("mlflow: logging to run %s at %s", self.run_id, client.tracking_uri)
         else:
             client.update_run(self.run_id, status="RUNNING")
@@ -131,6 +138,16 @@ class MLflowLogger(Logger):
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "Default")
         experiment = client.get_experiment_by_name(name)
         return experiment.experiment_id if experiment is not None else client.create_experiment(name)
+
+    @staticmethod
+    def _end_orphans(client: Any, experiment: str, output_dir: str) -> None:
+        """End as ``KILLED`` the runs this output_dir left ``RUNNING``: a process killed before its
+        first checkpoint (which would have carried the MLflow run id) never ended its run. Only
+        one live run uses an output_dir (the run lock), so such a run is dead."""
+        for orphan in client.search_runs([experiment], filter_string="attributes.status = 'RUNNING'", max_results=1000):
+            if orphan.data.tags.get(OUTPUT_DIR_TAG) == output_dir:
+                client.set_terminated(orphan.info.run_id, status="KILLED")
+                logger.info("mlflow: ended run %s as KILLED (its process died before its first checkpoint)", orphan.info.run_id)
 
     def _log_params(self, client: Any, flat: Dict[str, Any], existing: Dict[str, str]) -> None:
         from mlflow.entities import Param

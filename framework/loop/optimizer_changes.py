@@ -13,7 +13,7 @@
 
 import copy
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Collection, Dict, List, Optional, Sequence
 
 import torch
 
@@ -94,9 +94,10 @@ class ConfiguredHyperparameters:
             for optimizer in optimizers
         ]
 
-    def restore(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def restore(self, optimizers: Sequence[torch.optim.Optimizer], driven: Collection[str] = ()) -> None:
         """After ``load_state_dict``: name every hyperparameter the checkpoint changed, put the
-        configured value back (except what a scheduler owns: see the module docstring)."""
+        configured value back (except what a scheduler owns: see the module docstring, and the
+        ``driven`` keys a callback sets itself, e.g. SWA's annealed ``lr``: kept, not warned about)."""
         for index, (optimizer, configured_groups) in enumerate(zip(optimizers, self.groups)):
             name = type(optimizer).__name__
             for group_index, (group, configured) in enumerate(zip(optimizer.param_groups, configured_groups)):
@@ -104,6 +105,8 @@ class ConfiguredHyperparameters:
                 for key, value in configured.items():
                     if key not in group:  # a checkpoint of an older torch: the configured value
                         group[key] = value
+                    elif key in driven:
+                        continue
                     elif not _scheduled(key, configured, group) and not _same(group[key], value):
                         _report(where, key, group[key], value, owned_by_schedule=key in _SCHEDULE_BASES)
                         if key not in _SCHEDULE_BASES:

@@ -39,7 +39,7 @@ from framework.run.config import own_copy
 from framework.run.launcher_watch import LauncherWatch
 from framework.run.logging_setup import configure_logging
 from framework.run.preemption import PreemptionHandler, TrainingPreempted, parse_signals
-from framework.run.run_lock import RunLock
+from framework.run.run_lock import RunLocks
 
 logger = logging.getLogger("framework")
 
@@ -137,7 +137,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         self._restored = False
         self._weights_loaded = False  # validate/test/predict loaded a checkpoint's weights
         self._micro_batch_found = False  # gpu_batch_size_limit="auto": searched, or read from a checkpoint
-        self._run_lock: Optional[RunLock] = None  # held by rank zero while train() runs
+        self._run_lock: Optional[RunLocks] = None  # held by rank zero while train() runs
         self._compile_started: Optional[float] = None
         self.evaluator = Evaluator(module, self._runner, self.backend, self.hooks, args, self.recorder.record)
         module.attach(self, self._metrics)

@@ -4,6 +4,7 @@ Kept apart from the loop in :mod:`framework.loop.trainer`, which inherits :class
 """
 
 import logging
+import os
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -26,7 +27,7 @@ from framework.metrics.loss_tracker import LossTracker
 from framework.module import ModuleInterface
 from framework.run import checks
 from framework.run.arguments import TrainerArguments
-from framework.run.run_identity import RUN_ID_KEY, StartingIdentity
+from framework.run.run_identity import OUTPUT_DIR_KEY, RUN_ID_KEY, StartingIdentity
 
 logger = logging.getLogger("framework")
 
@@ -139,8 +140,10 @@ class TrainerCheckpoints:
                 f"see the same checkpoint directory: use a shared filesystem or URL for save_dir/load_dir"
             )
         path = self.checkpointer.loaded_from
-        saved_run_id = None if checkpoint is None else checkpoint.trainer_state.get(RUN_ID_KEY)
-        self.run_id = self._identity.after_load(saved_run_id, self.checkpointer.resumed_automatically(), path)
+        saved = {} if checkpoint is None else checkpoint.trainer_state
+        self.run_id = self._identity.after_load(
+            saved.get(RUN_ID_KEY), self.checkpointer.resumed_automatically(), path, saved.get(OUTPUT_DIR_KEY)
+        )
         if checkpoint is None:
             return
         with checks.naming_missing_keys(path, "module state"):
@@ -187,6 +190,7 @@ class TrainerCheckpoints:
         }
         return {
             RUN_ID_KEY: self.run_id,
+            OUTPUT_DIR_KEY: os.path.abspath(self.args.output_dir),
             **self.progress.state_dict(self.backend.data_parallel_size, self.train_step_batch_size),
             "should_stop": self.should_stop,
             "ranks": self.backend.all_gather_object(rank_local),
@@ -227,13 +231,14 @@ class TrainerCheckpoints:
             optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
-        configured.restore(self.optimizers)  # a changed hyperparameter: warned, the configured value used
         saved_callbacks = list(state["callbacks"])
         for callback in self.callbacks:  # matched by class name, in order
             match = next((entry for entry in saved_callbacks if entry["type"] == type(callback).__name__), None)
             if match is not None:
                 saved_callbacks.remove(match)
                 callback.load_state_dict(match["state"])
+        driven = {key for callback in self.callbacks for key in getattr(callback, "drives_hyperparameters", tuple)()}
+        configured.restore(self.optimizers, driven)  # a changed hyperparameter: warned, the configured value used
         self.checkpointer.load_state_dict(state.get("checkpointer", {}))
         self.history.load_state_dict(state["history"])
         self.loggers.load_state_dict(state.get("loggers", {}))

@@ -31,9 +31,10 @@ from framework.module import ModuleInterface, StepRunner
 from framework.run import checks
 from framework.run.arguments import TrainerArguments, micro_batch_plan
 from framework.run.config import resolved_config
-from framework.run.run_directory import choose_run_directory, claim_run_directory
+from framework.run.finished_run import changed_settings, log_nothing_to_do
+from framework.run.run_directory import choose_run_directory, claim_run_directory, locked_directories
 from framework.run.run_identity import StartingIdentity
-from framework.run.run_lock import RunLock, claim_run_lock
+from framework.run.run_lock import RunLocks, claim_run_lock
 from framework.run.run_start import log_run_start
 from framework.run.shared_storage import check_shared_storage, run_directories
 
@@ -73,7 +74,7 @@ class TrainerSetup:
     _metrics: MetricCollector
     _restored: bool
     _micro_batch_found: bool
-    _run_lock: Optional[RunLock]
+    _run_lock: Optional[RunLocks]
     _identity: StartingIdentity
     _compile_started: Optional[float]
 
@@ -81,6 +82,7 @@ class TrainerSetup:
     checkpointing_enabled: bool
     is_main_process: bool
     global_steps_finished: int
+    epochs_finished: int
     _restore_checkpoint: Callable[[], None]
 
     # -- setup ----------------------------------------------------------------------------
@@ -102,9 +104,9 @@ class TrainerSetup:
         args = self.args
         if not self._restored and not args.fast_dev_run:  # another run's output_dir: train in version_<N>
             self._choose_run_directory()
-        if not args.fast_dev_run:  # every rank sees the same directories; a second live run on this output_dir stops here
+        if not args.fast_dev_run:  # every rank sees the same directories; a second live run on them stops here
             check_shared_storage(run_directories(args.output_dir, self.checkpointer), self.backend)
-            self._run_lock = claim_run_lock(args.output_dir, self.backend)
+            self._run_lock = claim_run_lock(args.output_dir, self.backend, locked_directories(args.output_dir, self.checkpointer))
         loader = self._create_train_loader()
         if self.wrapped_module is None:
             if args.activation_checkpointing:  # before the strategy compiles and shards the units
@@ -135,6 +137,11 @@ class TrainerSetup:
                 self._use_micro_batch(found, "the largest that fits")
         self.recorder.start_loggers()
         if self.is_main_process and not args.fast_dev_run:
+            if self.checkpointer.loaded_from is not None and self.stopping.complete(
+                self.epochs_finished, self.global_steps_finished
+            ):
+                changes = changed_settings(os.path.join(args.output_dir, "config.yaml"), resolved_config(args).to_dict())
+                log_nothing_to_do(self.global_steps_finished, self.epochs_finished, changes)  # before config.yaml is rewritten
             resolved_config(args).save(os.path.join(args.output_dir, "config.yaml"), run_id=self.run_id)
         self.stopping.start_clock()
         self._compile_started = time.perf_counter() if args.compile else None

@@ -138,7 +138,8 @@ class TrainerArguments(_CarriesRunConfig):
     ``<output_dir>/version_<N>`` (the first free N >= 1, said once in the log); ``"error"`` refuses to start."""
     loggers: List[Union[str, Logger]] = field(default_factory=lambda: ["csv"])
     """Where metrics go on rank zero: names (``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or one from the
-    ``framework.loggers`` entry points) or Logger instances; CLI ``--trainer.loggers '[csv,mlflow]'``."""
+    ``framework.loggers`` entry points) or Logger instances; one alone may be given as it is (``loggers="csv"``);
+    CLI ``--trainer.loggers '[csv,mlflow]'``."""
     plot_metrics: Optional[bool] = None
     """Draw ``<output_dir>/metrics.png`` from metrics.csv when training ends (losses on a log axis); None: where
     matplotlib is installed, unless the environment sets ``FRAMEWORK_PLOT_METRICS=0``."""
@@ -155,6 +156,8 @@ class TrainerArguments(_CarriesRunConfig):
     def __post_init__(self) -> None:
         if isinstance(self.checkpointer_args, dict):
             self.checkpointer_args = DefaultCheckpointerArguments(**self.checkpointer_args)
+        if isinstance(self.loggers, (str, Logger)):  # loggers="csv": one logger, not the letters c, s, v
+            self.loggers = [self.loggers]
         check_field_types(self, "TrainerArguments")  # types first: the range checks below compare numbers
         check_logger_choices(self.loggers)
         _require(self.epochs >= 1, "epochs", self.epochs, "an integer >= 1")

@@ -1,5 +1,9 @@
 """One run per directory: a new run never writes where another run's files are.
 
+A local ``save_dir`` outside ``output_dir`` is locked with the output directory while the run
+lives (:func:`locked_directories`, :mod:`framework.run.run_lock`);
+whose checkpoints it holds is checked on resume (:mod:`framework.run.run_identity`).
+
 Running the same command twice without ``resume`` would otherwise overwrite the first run's
 ``metrics.csv``, ``config.yaml`` and checkpoints. At setup, before anything is written,
 :func:`choose_run_directory` moves a new run whose ``output_dir`` holds another run to
@@ -12,7 +16,9 @@ Running the same command twice without ``resume`` would otherwise overwrite the 
 
 import os
 import re
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, Any, List, Tuple
+
+from backends.local_files import local_path
 
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
@@ -139,3 +145,20 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
         checkpointer.prepare_run()
 
     backend.run_on_rank_zero(claim, "refused to start the run", share_as=(RunDirectoryInUse,))
+
+
+def locked_directories(output_dir: str, checkpointer: Any) -> List[Tuple[str, str]]:
+    """``[(save_dir, "save_dir")]`` when the checkpointer's ``save_dir`` is a local directory
+    outside ``output_dir`` (the run lock covers it too), else empty.
+
+    Example:
+        >>> class Checkpointer:
+        ...     save_dir = "/runs/shared-checkpoints"
+        >>> locked_directories("/runs/a", Checkpointer()), locked_directories("/runs", Checkpointer())
+        ([('/runs/shared-checkpoints', 'save_dir')], [])
+    """
+    save_dir = getattr(checkpointer, "save_dir", None)
+    local, output = (local_path(str(save_dir)) if save_dir else None), local_path(str(output_dir))
+    if local is None or output is None or local == output or local.startswith(output.rstrip("/") + "/"):
+        return []
+    return [(local, "save_dir")]

@@ -8,13 +8,20 @@ in from another run, or a ``save_dir`` mixed up with another run's, is refused b
 fine-tuning) may come from any run: that is logged. Checkpoints written before run ids
 existed carry none and load as before. torchrun restarts of one job share the
 ``config.yaml`` and so the id: they resume their own files.
+
+A checkpoint also records the ``output_dir`` of the run that wrote it (:data:`OUTPUT_DIR_KEY`).
+Two runs with two output directories and one ``save_dir``: the second, resuming, would adopt
+the first's checkpoints (and its retention delete them). It is refused
+(:class:`ForeignCheckpoint`) while the first's ``output_dir`` still holds that run (its
+``config.yaml`` names the checkpoint's run id); once that directory is gone, its checkpoints
+may be continued from another ``output_dir``.
 """
 
 import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
@@ -23,6 +30,8 @@ logger = logging.getLogger("framework")
 
 RUN_ID_KEY = "run_id"
 """The key of the run id in ``config.yaml`` (top level) and in the trainer's checkpoint state."""
+OUTPUT_DIR_KEY = "output_dir"
+"""The key of the writing run's absolute ``output_dir`` in the trainer's checkpoint state."""
 
 
 class ForeignCheckpoint(ValueError):
@@ -85,6 +94,7 @@ class StartingIdentity:
 
     recorded: Optional[str]
     fresh: str
+    output_dir: Optional[str] = None
 
     @classmethod
     def read(cls, output_dir: str, backend: "TrainerBackend") -> "StartingIdentity":
@@ -95,9 +105,9 @@ class StartingIdentity:
         found = backend.broadcast_object(found)  # a no-op on one rank
         if found is None:
             raise RuntimeError("rank zero sent no run id")
-        return cls(*found)
+        return cls(found[0], found[1], output_dir=os.path.abspath(output_dir))
 
-    def after_load(self, saved: Optional[str], automatic: bool, path: Optional[str]) -> str:
+    def after_load(self, saved: Optional[str], automatic: bool, path: Optional[str], saved_output_dir: Any = None) -> str:
         """This run's id once the checkpoint (if any) is chosen.
 
         Args:
@@ -106,14 +116,25 @@ class StartingIdentity:
             automatic: True when ``resume="auto"`` found the checkpoint in this run's own
                 ``save_dir``; False when the user named it (``load_dir``/``load_filename``).
             path: where the checkpoint was read from, for messages.
+            saved_output_dir: the ``output_dir`` of the run that wrote it (None: not recorded).
 
         Raises:
             ForeignCheckpoint: ``automatic`` and the checkpoint belongs to another run than
-                the one ``config.yaml`` names.
+                the one ``config.yaml`` names, or to a run that still lives in another ``output_dir``.
         """
         own = self.recorded or self.fresh
         if saved is None:
             return own
+        if automatic and self.recorded is None and isinstance(saved_output_dir, str) and self.output_dir is not None:
+            elsewhere = os.path.realpath(saved_output_dir) != os.path.realpath(self.output_dir)
+            if elsewhere and recorded_run_id(saved_output_dir) == saved:
+                raise ForeignCheckpoint(
+                    f"resume='auto' found checkpoint {path} of run {saved}, which lives in output_dir "
+                    f"{saved_output_dir!r}, not in this run's output_dir {self.output_dir!r}: two runs share one save_dir. "
+                    "Resuming would adopt that run's checkpoints and this run's retention would delete them. To continue "
+                    f"that run, use its output_dir (--trainer.output_dir {saved_output_dir}); to start another run, choose "
+                    "another save_dir (--checkpointer.save_dir)"
+                )
         if automatic:
             if self.recorded is not None and saved != self.recorded:
                 raise ForeignCheckpoint(

@@ -5,9 +5,11 @@ daemon thread refreshes every :data:`HEARTBEAT_SECONDS` (nothing in the training
 A second run started on the same directory while the first lives (the same
 ``resume="auto"`` command submitted twice) is refused before its first step, naming the
 holder. A lock whose holder is dead is taken over with a warning: on the same host when
-its pid is gone, from another host when its heartbeat is older than
-:data:`STALE_AFTER_SECONDS`. The run removes its lock when training ends, by an error too;
-a killed run leaves it, and the next run takes it over.
+its pid is gone, when the process on that pid started after the lock was taken (the pid was
+reused), when it is this very process (a restarted container), or when its heartbeat is older
+than :data:`STALE_AFTER_SECONDS`; from another host when its heartbeat is that old. The run
+removes its lock when training ends, by an error too; a killed run leaves it, and the next run
+takes it over. A run whose ``save_dir`` lies outside ``output_dir`` locks that directory too.
 """
 
 import contextlib
@@ -18,7 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
 
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
@@ -29,7 +31,10 @@ LOCK_NAME = "run.lock"
 HEARTBEAT_SECONDS = 10.0
 """How often the holder refreshes the lock's heartbeat."""
 STALE_AFTER_SECONDS = 120.0
-"""A lock of another host whose heartbeat is older than this is taken over (its run is presumed dead)."""
+"""A lock whose heartbeat is older than this is taken over (its run is presumed dead), whatever
+process holds its pid now."""
+START_TOLERANCE_SECONDS = 2.0
+"""A process that started this much later than the lock was taken cannot have taken it (pid reuse)."""
 
 
 class RunLocked(RuntimeError):
@@ -62,20 +67,46 @@ class LockHolder:
         return other is not None and (other.pid, other.host, other.started) == (self.pid, self.host, self.started)
 
     def is_alive(self, stale_after: float) -> bool:
-        """On this host: the pid runs (and is no zombie). Elsewhere: the heartbeat is fresh."""
+        """False when the heartbeat is older than ``stale_after``; on this host also when the pid is
+        gone (or a zombie) or belongs to a process younger than the lock: a reused pid, or this very
+        process restarted with the pid of the run that took it (a container restart)."""
+        if time.time() - self.heartbeat > stale_after:
+            return False
         if self.host != socket.gethostname():
-            return time.time() - self.heartbeat <= stale_after
+            return True
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True  # another user's live process
-        try:
-            with open(f"/proc/{self.pid}/stat") as handle:
-                return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except (OSError, IndexError):
+            pass  # another user's live process
+        started = process_start_time(self.pid)
+        if started is None:
             return True
+        if isinstance(started, str):  # a zombie
+            return False
+        return started <= self.started + START_TOLERANCE_SECONDS
+
+
+def process_start_time(pid: int) -> Optional[Union[float, str]]:
+    """When the process ``pid`` started (seconds since the epoch), ``"zombie"``, or None when
+    ``/proc`` cannot tell (not Linux).
+
+    Example:
+        >>> started = process_start_time(os.getpid())
+        >>> started is None or time.time() - 3600 < started <= time.time()
+        True
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        with open("/proc/stat") as handle:
+            boot = next(float(line.split()[1]) for line in handle if line.startswith("btime "))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    if fields[0] == "Z":
+        return "zombie"
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time in clock ticks
 
 
 class RunLock:
@@ -84,7 +115,8 @@ class RunLock:
     Args:
         output_dir: the directory to lock (created when missing).
         heartbeat_seconds: how often the background thread refreshes the heartbeat.
-        stale_after_seconds: age of another host's heartbeat after which its lock is taken over.
+        stale_after_seconds: age of a heartbeat after which its lock is taken over.
+        what: what the directory is, for messages (``"output_dir"`` or ``"save_dir"``).
 
     Example:
         >>> import tempfile
@@ -98,9 +130,15 @@ class RunLock:
     """
 
     def __init__(
-        self, output_dir: str, heartbeat_seconds: float = HEARTBEAT_SECONDS, stale_after_seconds: float = STALE_AFTER_SECONDS
+        self,
+        output_dir: str,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
+        stale_after_seconds: float = STALE_AFTER_SECONDS,
+        what: str = "output_dir",
     ) -> None:
         self.output_dir = output_dir
+        self.what = what
+        self.option = "--checkpointer.save_dir" if what == "save_dir" else "--trainer.output_dir"
         self.path = os.path.join(output_dir, LOCK_NAME)
         self.heartbeat_seconds = heartbeat_seconds
         self.stale_after_seconds = stale_after_seconds
@@ -127,10 +165,10 @@ class RunLock:
             holder = self._read()
             if holder is not None and holder.is_alive(self.stale_after_seconds):
                 raise RunLocked(
-                    f"output_dir {self.output_dir!r} is in use by a live run ({holder.describe()}; lock file "
-                    f"{self.path}): two runs in one directory would overwrite each other's checkpoints. Wait for it "
-                    f"to end, or stop it (kill {holder.pid} on {holder.host}); to start another run, choose another "
-                    "output_dir (--trainer.output_dir)"
+                    f"{self.what} {self.output_dir!r} is in use by a live run ({holder.describe()}; lock file "
+                    f"{self.path}): two runs in one directory would overwrite each other's checkpoints. Wait for that "
+                    f"run to end or stop it; a lock whose heartbeat is older than {self.stale_after_seconds:.0f} s is "
+                    f"taken over. To start another run, choose another {self.what} ({self.option})"
                 )
             logger.warning(
                 "taking over the run lock %s left by a run that is gone (%s)",
@@ -199,26 +237,63 @@ class RunLock:
                 logger.debug("could not refresh the run lock's heartbeat: %s", error)
 
 
-def claim_run_lock(output_dir: str, backend: "TrainerBackend") -> Optional[RunLock]:
-    """Rank zero takes ``output_dir``'s lock; every rank learns a refusal (call on every rank).
-
-    Returns:
-        the lock on rank zero (release it when training ends), None on the other ranks.
-
-    Raises:
-        RunLocked: on every rank, when a live run holds the directory.
+class RunLocks:
+    """The locks one run holds (its ``output_dir``'s, and its ``save_dir``'s when that lies elsewhere).
 
     Example:
-        lock = claim_run_lock(args.output_dir, trainer.backend)
+        >>> import tempfile
+        >>> locks = RunLocks([RunLock(tempfile.mkdtemp())])
+        >>> locks.acquire()
+        >>> locks.release()
     """
-    lock, refusal = None, None
-    if backend.is_main_process:
-        lock = RunLock(output_dir)
+
+    def __init__(self, locks: Sequence[RunLock]) -> None:
+        self.locks = list(locks)
+
+    def acquire(self) -> None:
+        """Take every lock, or none (those taken are given back when one is refused).
+
+        Raises:
+            RunLocked: a live run holds one of the directories.
+        """
+        taken: List[RunLock] = []
         try:
-            lock.acquire()
+            for lock in self.locks:
+                lock.acquire()
+                taken.append(lock)
+        except BaseException:
+            for lock in taken:
+                lock.release()
+            raise
+
+    def release(self) -> None:
+        """Give every lock back."""
+        for lock in reversed(self.locks):
+            lock.release()
+
+
+def claim_run_lock(output_dir: str, backend: "TrainerBackend", also: Sequence[Tuple[str, str]] = ()) -> Optional[RunLocks]:
+    """Rank zero takes ``output_dir``'s lock and those of the local directories in ``also``
+    (``(directory, what)`` pairs, e.g. the checkpoints' ``save_dir``); every rank learns a
+    refusal (call on every rank).
+
+    Returns:
+        the locks on rank zero (release them when training ends), None on the other ranks.
+
+    Raises:
+        RunLocked: on every rank, when a live run holds one of the directories.
+
+    Example:
+        locks = claim_run_lock(args.output_dir, trainer.backend, also=[(save_dir, "save_dir")])
+    """
+    locks, refusal = None, None
+    if backend.is_main_process:
+        locks = RunLocks([RunLock(output_dir), *(RunLock(directory, what=what) for directory, what in also)])
+        try:
+            locks.acquire()
         except RunLocked as error:
             refusal = str(error)
     refusal = backend.broadcast_object(refusal)  # a no-op on one rank
     if refusal is not None:
         raise RunLocked(refusal if backend.is_main_process else f"rank zero refused to start the run: {refusal}")
-    return lock
+    return locks

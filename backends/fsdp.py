@@ -164,12 +164,33 @@ class FSDP(DDP):
         or optimizer step (which changed the shards), for the rest of ``train_step``."""
         if _fsdp_state(wrapped) is None:
             return
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in wrapped.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        _reshard(wrapped)
         wrapped.unshard()  # type: ignore[operator]
+
+    def inference(self, module: torch.nn.Module) -> ContextManager:
+        """Reshard every unit before and after forwards without a backward.
+
+        After a forward under ``no_grad`` no backward reshards the units FSDP2 keeps gathered
+        (the root always, every unit with ``reshard_after_forward=False``): their gathered
+        copies would stay registered on the module, so a weight average swapped into the
+        shards afterwards, or a checkpoint loaded into them, would not reach the next
+        forward (which would train on the stale copy), and ``module.parameters()`` would
+        not be the parameters the optimizer holds. Resharding on entry too drops a copy
+        gathered before the shards were changed (manual optimization keeps the root gathered).
+        """
+        if _fsdp_state(module) is None:
+            return contextlib.nullcontext()
+        return _resharded_around(module)
+
+    def discard_gradients(self, module: torch.nn.Module) -> None:
+        """Drop the gradients, also the unsharded ones FSDP2 keeps from a backward under
+        :meth:`no_sync` for the next synchronised backward, which would reduce-scatter them
+        into the next step. The root's ``reset_iter_state`` first: after a probe that ran out
+        of memory mid-backward, FSDP2's per-iteration state is reset as it documents."""
+        if _fsdp_state(module) is not None:
+            module.reset_iter_state()  # type: ignore[operator]
+            _drop_unsynchronised_gradients(module)
+        super().discard_gradients(module)
 
     def unsharded(self, state: Any) -> Any:
         """``state`` with every sharded tensor all-gathered into a full CPU tensor (call it on every rank)."""
@@ -259,6 +280,38 @@ def _without_gradient_sync(wrapped: Any) -> Iterator[None]:
         yield
     finally:
         wrapped.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def _resharded_around(module: torch.nn.Module) -> Iterator[None]:
+    _reshard(module)
+    try:
+        yield
+    finally:
+        _reshard(module)
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Free every unit's gathered parameters: the module holds its shards (DTensors) again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def _drop_unsynchronised_gradients(module: torch.nn.Module) -> None:
+    """Each unit's unsharded gradients kept under ``set_requires_gradient_sync(False)``: on the
+    unsharded parameter, or (when it reduces in another dtype) upcast beside it. FSDP2 has no
+    public call for this; its parameter objects are reached through each unit's state."""
+    for state in (_fsdp_state(unit) for unit in module.modules()):
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]  # older: one
+        for group in filter(None, groups):
+            for parameter in group.fsdp_params:
+                parameter.unsharded_accumulated_grad = None
+                unsharded = getattr(parameter, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 def _fsdp_state(wrapped: torch.nn.Module) -> Any:

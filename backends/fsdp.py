@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from backends.batch import map_tensors
-from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
+from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, is_sharded_checkpoint
 from backends.ddp import DDP
 from backends.environments import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
@@ -238,6 +238,8 @@ class FSDP(DDP):
         """
         from backends import sharded_checkpoint  # DCP: imported only when used
 
+        if target is not None and self.distributed:
+            self._agree_readable(path, io)
         if not is_sharded_checkpoint(path):
             if target is None:
                 return io.read(path)
@@ -247,6 +249,28 @@ class FSDP(DDP):
                 "framework.checkpoint.load_weights"
             )
         return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed)
+
+    def _agree_readable(self, path: str, io: CheckpointIO) -> None:
+        """Every rank checks ``path`` alone (no collective); a problem on any rank is raised on every
+        rank, of the same kind, so no rank enters the collective read without the others and a
+        damaged checkpoint is skipped by all of them together."""
+        from backends import sharded_checkpoint
+
+        sharded, problem = is_sharded_checkpoint(path), None
+        try:
+            if sharded:
+                sharded_checkpoint.verify(path, io)
+        except (OSError, ValueError) as error:  # FileNotFoundError, CorruptCheckpoint, CheckpointRefused
+            problem = error
+        found = self.all_gather_object((sharded, None if problem is None else (type(problem).__name__, str(problem))))
+        if problem is not None:
+            raise problem
+        for rank, (rank_sharded, failure) in enumerate(found):
+            if failure is not None:
+                kind = {"CorruptCheckpoint": CorruptCheckpoint, "CheckpointRefused": CheckpointRefused}.get(failure[0], OSError)
+                raise kind(f"rank {rank} cannot read it: {failure[0]}: {failure[1]}")
+            if rank_sharded != sharded:
+                raise CorruptCheckpoint(f"rank {rank} sees {'a directory' if rank_sharded else 'no directory'} at {path}")
 
 
 @contextlib.contextmanager

@@ -250,6 +250,15 @@ class TrainerBackend:
         """Called after every manual backward and optimizer step (FSDP gathers the shards again)."""
         self.strategy.refresh_parameters(wrapped)
 
+    def inference(self, module: torch.nn.Module) -> ContextManager:
+        """Context around forwards without a backward (validation, test, prediction) through
+        ``module``; a sharded strategy leaves the parameters in their shards after it."""
+        return self.strategy.inference(module)
+
+    def discard_gradients(self, module: torch.nn.Module) -> None:
+        """Drop every gradient of ``module``, those kept for the next synchronised backward too."""
+        self.strategy.discard_gradients(module)
+
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate ``loss`` (scaled, under fp16); ``args``/``kwargs`` go to ``Tensor.backward``."""
         if args or kwargs:

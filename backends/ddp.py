@@ -2,6 +2,7 @@
 
 import atexit
 import datetime
+import itertools
 import logging
 import sys
 import time
@@ -19,6 +20,7 @@ from backends.strategies import _NO_CONTEXT, Strategy
 
 logger = logging.getLogger(__name__)
 
+_SETUPS = itertools.count()  # DDP set-ups in this process: every rank sets up its trainers in the same order
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -78,6 +80,7 @@ class DDP(Strategy):
         self._owns_process_group = False
         self._preemption_registered = False
         self._preemption_stop_step: Optional[int] = None
+        self._preemption_keys = "framework/preempt/0"
         self._store_lost = False  # the store is unreachable: stops are agreed at log points (all-reduce)
 
     @classmethod
@@ -118,6 +121,9 @@ class DDP(Strategy):
                 without ``MASTER_ADDR``/``MASTER_PORT``).
         """
         super().setup()
+        # Preemption keys of this run in the group's store: another trainer in the same group (set up
+        # in the same order on every rank) must not read this one's counts.
+        self._preemption_keys = f"framework/preempt/{next(_SETUPS)}"
         if dist.is_initialized():
             # A process group made by the caller: use its ranks, leave destroying it to the caller.
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -261,11 +267,11 @@ class DDP(Strategy):
         """Count this rank in at the store; once every rank is, compute the stop step."""
         store = dist.distributed_c10d._get_default_store()
         if not self._preemption_registered:
-            store.set(f"framework/preempt/step/{self.rank}", str(global_step))
-            store.add("framework/preempt/ranks", 1)
+            store.set(f"{self._preemption_keys}/step/{self.rank}", str(global_step))
+            store.add(f"{self._preemption_keys}/ranks", 1)
             self._preemption_registered = True
-        if store.add("framework/preempt/ranks", 0) == self.world_size:
-            steps = [int(store.get(f"framework/preempt/step/{rank}")) for rank in range(self.world_size)]
+        if store.add(f"{self._preemption_keys}/ranks", 0) == self.world_size:
+            steps = [int(store.get(f"{self._preemption_keys}/step/{rank}")) for rank in range(self.world_size)]
             self._preemption_stop_step = max(steps) + 1
             logger.debug("rank %d: every rank has a signal pending; stopping at step %d", self.rank, self._preemption_stop_step)
 

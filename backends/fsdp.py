@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from backends.batch import map_tensors
-from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
+from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, is_sharded_checkpoint
 from backends.ddp import DDP
 from backends.environments import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
@@ -165,12 +165,33 @@ class FSDP(DDP):
         or optimizer step (which changed the shards), for the rest of ``train_step``."""
         if _fsdp_state(wrapped) is None:
             return
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in wrapped.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        _reshard(wrapped)
         wrapped.unshard()  # type: ignore[operator]
+
+    def inference(self, module: torch.nn.Module) -> ContextManager:
+        """Reshard every unit before and after forwards without a backward.
+
+        After a forward under ``no_grad`` no backward reshards the units FSDP2 keeps gathered
+        (the root always, every unit with ``reshard_after_forward=False``): their gathered
+        copies would stay registered on the module, so a weight average swapped into the
+        shards afterwards, or a checkpoint loaded into them, would not reach the next
+        forward (which would train on the stale copy), and ``module.parameters()`` would
+        not be the parameters the optimizer holds. Resharding on entry too drops a copy
+        gathered before the shards were changed (manual optimization keeps the root gathered).
+        """
+        if _fsdp_state(module) is None:
+            return contextlib.nullcontext()
+        return _resharded_around(module)
+
+    def discard_gradients(self, module: torch.nn.Module) -> None:
+        """Drop the gradients, also the unsharded ones FSDP2 keeps from a backward under
+        :meth:`no_sync` for the next synchronised backward, which would reduce-scatter them
+        into the next step. The root's ``reset_iter_state`` first: after a probe that ran out
+        of memory mid-backward, FSDP2's per-iteration state is reset as it documents."""
+        if _fsdp_state(module) is not None:
+            module.reset_iter_state()  # type: ignore[operator]
+            _drop_unsynchronised_gradients(module)
+        super().discard_gradients(module)
 
     def unsharded(self, state: Any) -> Any:
         """``state`` with every sharded tensor all-gathered into a full CPU tensor (call it on every rank)."""
@@ -218,6 +239,8 @@ class FSDP(DDP):
         """
         from backends import sharded_checkpoint  # DCP: imported only when used
 
+        if target is not None and self.distributed:
+            self._agree_readable(path, io)
         if not is_sharded_checkpoint(path):
             if target is None:
                 return io.read(path)
@@ -227,6 +250,28 @@ class FSDP(DDP):
                 "framework.checkpoint.load_weights"
             )
         return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed)
+
+    def _agree_readable(self, path: str, io: CheckpointIO) -> None:
+        """Every rank checks ``path`` alone (no collective); a problem on any rank is raised on every
+        rank, of the same kind, so no rank enters the collective read without the others and a
+        damaged checkpoint is skipped by all of them together."""
+        from backends import sharded_checkpoint
+
+        sharded, problem = is_sharded_checkpoint(path), None
+        try:
+            if sharded:
+                sharded_checkpoint.verify(path, io)
+        except (OSError, ValueError) as error:  # FileNotFoundError, CorruptCheckpoint, CheckpointRefused
+            problem = error
+        found = self.all_gather_object((sharded, None if problem is None else (type(problem).__name__, str(problem))))
+        if problem is not None:
+            raise problem
+        for rank, (rank_sharded, failure) in enumerate(found):
+            if failure is not None:
+                kind = {"CorruptCheckpoint": CorruptCheckpoint, "CheckpointRefused": CheckpointRefused}.get(failure[0], OSError)
+                raise kind(f"rank {rank} cannot read it: {failure[0]}: {failure[1]}")
+            if rank_sharded != sharded:
+                raise CorruptCheckpoint(f"rank {rank} sees {'a directory' if rank_sharded else 'no directory'} at {path}")
 
 
 def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
@@ -257,6 +302,38 @@ def _without_gradient_sync(wrapped: Any) -> Iterator[None]:
         yield
     finally:
         wrapped.set_requires_gradient_sync(True)
+
+
+@contextlib.contextmanager
+def _resharded_around(module: torch.nn.Module) -> Iterator[None]:
+    _reshard(module)
+    try:
+        yield
+    finally:
+        _reshard(module)
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Free every unit's gathered parameters: the module holds its shards (DTensors) again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def _drop_unsynchronised_gradients(module: torch.nn.Module) -> None:
+    """Each unit's unsharded gradients kept under ``set_requires_gradient_sync(False)``: on the
+    unsharded parameter, or (when it reduces in another dtype) upcast beside it. FSDP2 has no
+    public call for this; its parameter objects are reached through each unit's state."""
+    for state in (_fsdp_state(unit) for unit in module.modules()):
+        groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]  # older: one
+        for group in filter(None, groups):
+            for parameter in group.fsdp_params:
+                parameter.unsharded_accumulated_grad = None
+                unsharded = getattr(parameter, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 def _fsdp_state(wrapped: torch.nn.Module) -> Any:

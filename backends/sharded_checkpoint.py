@@ -15,8 +15,11 @@ A sharded checkpoint is a directory ``checkpoint-<step>/``:
 - ``.complete``: written last.
 
 Atomicity: every rank writes into ``.checkpoint-<step>.partial/``; once DCP has finished (its
-last step gathers every rank's result), rank zero writes ``state.pt``, renames the directory
-into place and writes ``.complete``.
+last step gathers every rank's result), rank zero confirms that every shard file the index
+names is there, as long as the index says, in its own view of the directory (where readers
+look: a rank that wrote onto another node's own disk is caught here), then writes
+``state.pt``, renames the directory into place and writes ``.complete``. A shard missing is
+an error (:class:`ShardsMissing`): the checkpoint stays ``.partial``, never marked complete.
 
 Safety: DCP unpickles ``.metadata`` with plain ``pickle``; here it is read by
 :class:`~backends.dcp_index.IndexUnpickler`, which admits only the classes a DCP index is made
@@ -50,6 +53,18 @@ COMPLETE_MARKER = ".complete"
 INDEX_FILE = ".metadata"
 MARKER_KEY = "__sharded__"
 DIGEST_KEY = "sharded"
+
+
+class ShardsMissing(OSError):
+    """A sharded save finished on every rank, but rank zero does not find every shard in the
+    checkpoint directory (the ranks wrote to different storage); the checkpoint is not marked complete.
+
+    Example:
+        >>> raise ShardsMissing("runs/x/.checkpoint-000000005.partial lacks __1_0.distcp ...")
+        Traceback (most recent call last):
+        ...
+        backends.sharded_checkpoint.ShardsMissing: runs/x/.checkpoint-000000005.partial lacks __1_0.distcp ...
+    """
 
 
 def split_sharded(data: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
@@ -155,10 +170,13 @@ def prepare_save(
 
     def write() -> None:
         with _single_process_quietly():
-            dcp.save(tensors, storage_writer=_writer(fs, partial), process_group=process_group, no_dist=not distributed)
+            metadata = dcp.save(
+                tensors, storage_writer=_writer(fs, partial), process_group=process_group, no_dist=not distributed
+            )
         if not is_main:
             return
-        # Rank zero: DCP has gathered every rank's result, so every shard and the index are written.
+        # Rank zero: DCP has gathered every rank's result; every shard must be where readers look.
+        _confirm_shards(fs, partial, metadata)
         rest[DIGEST_KEY] = {"metadata_sha256": file_digest(fs.unstrip_protocol(posixpath.join(partial, INDEX_FILE)))}
         io.write(fs.unstrip_protocol(posixpath.join(partial, STATE_FILE)), rest)
         fs.invalidate_cache()  # the other ranks wrote their shards: no listing of before
@@ -193,18 +211,7 @@ def load(
     """
     fs, directory = fsspec.core.url_to_fs(path)
     directory = directory.rstrip("/")
-    fs.invalidate_cache()  # written by other processes: never a cached listing
-    if not fs.isdir(directory):
-        raise FileNotFoundError(f"sharded checkpoint directory {path!r} does not exist")
-    if not fs.exists(posixpath.join(directory, COMPLETE_MARKER)):
-        raise CorruptCheckpoint(f"no {COMPLETE_MARKER} marker: the save did not finish")
-    try:
-        rest = io.read(fs.unstrip_protocol(posixpath.join(directory, STATE_FILE)))
-    except FileNotFoundError as error:
-        raise CorruptCheckpoint(f"its {STATE_FILE} is missing") from error
-    if not isinstance(rest, dict):
-        raise CorruptCheckpoint(f"{STATE_FILE} is not a sharded checkpoint's state")
-    _check_index(fs, directory, rest, io)
+    rest = _verified_state(fs, directory, path, io)
     paths = marker_paths(rest)
     reader = _reader(fs, directory, io.weights_only)
     if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
@@ -242,6 +249,54 @@ def load(
     targets.update({key: torch.empty(0) for key in paths if key not in targets})  # not restored
     rest.pop(DIGEST_KEY, None)
     return fill_sharded(rest, targets)
+
+
+def verify(path: str, io: CheckpointIO) -> None:
+    """Raise what :func:`load` raises before it reads any tensor (no collective): the ranks of a
+    collective read agree on this first, so none enters DCP's collectives alone.
+
+    Raises:
+        FileNotFoundError, CorruptCheckpoint, CheckpointRefused: as :func:`load`.
+    """
+    fs, directory = fsspec.core.url_to_fs(path)
+    _verified_state(fs, directory.rstrip("/"), path, io)
+
+
+def _verified_state(fs: Any, directory: str, path: str, io: CheckpointIO) -> Dict[str, Any]:
+    """``state.pt`` of a finished checkpoint whose index is the one written with it."""
+    fs.invalidate_cache()  # written by other processes: never a cached listing
+    if not fs.isdir(directory):
+        raise FileNotFoundError(f"sharded checkpoint directory {path!r} does not exist")
+    if not fs.exists(posixpath.join(directory, COMPLETE_MARKER)):
+        raise CorruptCheckpoint(f"no {COMPLETE_MARKER} marker: the save did not finish")
+    try:
+        rest = io.read(fs.unstrip_protocol(posixpath.join(directory, STATE_FILE)))
+    except FileNotFoundError as error:
+        raise CorruptCheckpoint(f"its {STATE_FILE} is missing") from error
+    if not isinstance(rest, dict):
+        raise CorruptCheckpoint(f"{STATE_FILE} is not a sharded checkpoint's state")
+    _check_index(fs, directory, rest, io)
+    return rest
+
+
+def _confirm_shards(fs: Any, directory: str, metadata: Any) -> None:
+    """Raise :class:`ShardsMissing` unless every file the DCP index names is in ``directory``, as long as it says."""
+    fs.invalidate_cache()  # the other ranks wrote their shards: no listing of before
+    needed: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = []
+    for name, size in sorted(needed.items()):
+        path = posixpath.join(directory, name)
+        found = fs.size(path) if fs.exists(path) else None
+        if found is None or found < size:
+            missing.append(f"{name} ({'absent' if found is None else f'{found} of {size} bytes'})")
+    if missing:
+        raise ShardsMissing(
+            f"{fs.unstrip_protocol(directory)} lacks shards that other ranks wrote: {', '.join(missing)}; the checkpoint "
+            "was not marked complete. The ranks wrote to different storage (each node its own disk?): save_dir must be "
+            "a shared filesystem or an fsspec URL that every node reaches"
+        )
 
 
 def _check_index(fs: Any, directory: str, rest: Dict[str, Any], io: CheckpointIO) -> None:

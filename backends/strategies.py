@@ -350,6 +350,20 @@ class Strategy:
         """Called after every manual backward and optimizer step, inside ``train_step``
         (FSDP gathers the updated shards again there); nothing to do where parameters are whole."""
 
+    def inference(self, module: torch.nn.Module) -> ContextManager:
+        """Context around forwards without a backward through ``module`` (the step runner):
+        validation, test and prediction. A sharded strategy gathers the parameters from their
+        shards inside it and leaves them sharded after it, so whatever reads or writes the
+        parameters between passes (a weight average swapped in, a checkpoint loaded, the next
+        training forward) sees the shards; nothing to do where parameters are whole."""
+        return _NO_CONTEXT
+
+    def discard_gradients(self, module: torch.nn.Module) -> None:
+        """Drop every gradient of ``module``, also those a backward under :meth:`no_sync` keeps
+        for the next synchronised one (after a probe whose gradients must not reach a step)."""
+        for parameter in module.parameters():
+            parameter.grad = None
+
     def explain_failure(self, error: BaseException) -> Optional[str]:
         """A sentence on what a distributed failure means and what to change, or None."""
         return None

@@ -266,7 +266,12 @@ class StepRunner(torch.nn.Module):
     """
 
     _target: ModuleInterface
-    _STEP_METHODS: ClassVar[Dict[Stage, str]] = {Stage.TRAIN: "train_step", Stage.VAL: "val_step", Stage.TEST: "test_step"}
+    _STEP_METHODS: ClassVar[Dict[Stage, str]] = {
+        Stage.TRAIN: "train_step",
+        Stage.VAL: "val_step",
+        Stage.TEST: "test_step",
+        Stage.PREDICT: "predict_step",
+    }
 
     def __init__(self, module: ModuleInterface) -> None:
         super().__init__()

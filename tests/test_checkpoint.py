@@ -334,7 +334,7 @@ def _ddp_train(rank: int, directory: str, load_filename: Optional[str] = None, e
         backend="ddp",
         disable_tqdm=True,
         log_level="WARNING",
-        output_dir=os.path.join(directory, f"out{rank}"),
+        output_dir=os.path.join(directory, "out"),
         checkpointer_args=DefaultCheckpointerArguments(
             save_dir=os.path.join(directory, "ddp"), save_every_n_steps=3, load_filename=load_filename, keep_last_n=None
         ),

@@ -10,6 +10,9 @@ One 2-rank run (``sharded_scenarios``) trains every scenario in one process grou
 - a run whose weights turn NaN on one rank's shard at step 6: no rank writes a checkpoint
   from then on, the finite ones are kept, and a rerun resumes from the last finite one;
 - a new run pointed at the reference's sharded checkpoints: RunDirectoryInUse on every rank;
+- each rank given its own save_dir (as each node its own disk): the run is refused at start on
+  every rank (``framework/run/shared_storage.py``), and a sharded save whose shards land in
+  different directories is never marked complete (rank zero confirms every shard first);
 - a checkpoint whose ``.metadata`` is a pickle that would create a file, with its digest in
   ``state.pt`` rewritten to match: ``validate(checkpoint=...)`` and ``resume="auto"`` refuse it
   on both ranks, ``load_weights`` in the test process too, and no code runs.
@@ -27,12 +30,14 @@ import torch.distributed as dist
 from distributed import run_ranks
 from tiny_transformer import TinyTransformer
 
-from backends.checkpoint_io import file_digest
+from backends import sharded_checkpoint
+from backends.checkpoint_io import CheckpointIO, file_digest
 from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback
 from framework.checkpoint import CheckpointRefused, RunDirectoryInUse, load_weights
 from framework.checkpoint.default import checkpoint_name
 from framework.run.run_directory import check_output_dir_free
+from framework.run.shared_storage import StorageNotShared
 
 STEPS = 8  # 2 epochs of 4 steps (64 samples, global batch 16)
 
@@ -182,6 +187,27 @@ def sharded_scenarios(rank: int, out: str) -> Dict[str, Any]:
     finally:
         intruder.close()
 
+    own_disk_args = arguments(os.path.join(out, "shared"))  # each rank's save_dir its own (rank zero does not choose it)
+    own_disk_args.checkpointer_args.save_dir = os.path.join(out, f"own-disk-{rank}")
+    own_disk = Trainer(TinyTransformer(), own_disk_args)
+    try:
+        own_disk.train()
+        results["own_disk"] = "trained"
+    except StorageNotShared as error:
+        results["own_disk"] = str(error)
+    finally:
+        own_disk.close()
+    split = os.path.join(out, f"split-{rank}", checkpoint_name(1, ""))
+    state = {"module": {f"rank{rank}": torch.full((4,), float(rank))}, "trainer": {}}
+    write = sharded_checkpoint.prepare_save(
+        split, state, CheckpointIO(), is_main=rank == 0, distributed=True, on_rank_zero=lambda make, what: make()
+    )
+    try:
+        write()
+        results["split"] = "complete"
+    except sharded_checkpoint.ShardsMissing as error:
+        results["split"] = str(error)
+    results["split_files"] = sorted(os.listdir(os.path.dirname(split)))
     tampered_dir = os.path.join(out, "tampered")
     Trainer(TinyTransformer(), arguments(tampered_dir, max_steps=2)).train()
     tampered = os.path.join(tampered_dir, "checkpoints", checkpoint_name(2, ""))
@@ -260,6 +286,23 @@ def test_a_new_run_into_sharded_checkpoints_is_refused_on_every_rank(runs, tmp_p
     os.makedirs(tmp_path / "checkpoints" / checkpoint_name(3, ""))
     with pytest.raises(RunDirectoryInUse, match=checkpoint_name(3, "")):
         check_output_dir_free(str(tmp_path), resuming=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_each_rank_on_its_own_disk_is_refused_and_split_shards_are_never_marked_complete(runs):
+    out, (rank0, rank1) = runs
+    for index, rank in enumerate((rank0, rank1)):  # every rank stops, naming its own directory and rank 1
+        own = os.path.join(out, f"own-disk-{index}")
+        assert (
+            f"save_dir (--checkpointer.save_dir, by default <output_dir>/checkpoints) {own!r} is not the same storage"
+            in rank["own_disk"]
+        )
+        assert "rank 1 (host" in rank["own_disk"] and "it is not there" in rank["own_disk"]
+        assert "shared filesystem" in rank["own_disk"] and "fsspec URL" in rank["own_disk"]
+    assert os.listdir(os.path.join(out, "own-disk-0")) == [] and os.listdir(os.path.join(out, "shared")) == []
+    assert "__1_0.distcp (absent)" in rank0["split"] and "not marked complete" in rank0["split"]
+    assert rank0["split_files"] == rank1["split_files"] == [f".{checkpoint_name(1, '')}.partial"]
 
 
 @pytest.mark.distributed

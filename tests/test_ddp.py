@@ -143,39 +143,61 @@ def _summary(trainer: Trainer, module: IndexedToy) -> dict:
     }
 
 
+class WritesUnder:
+    """An audit hook recording this process's file writes (opened for writing, created, renamed,
+    removed) under ``root`` while ``active`` (audit hooks cannot be removed: switch it off)."""
+
+    EVENTS = ("os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "os.link", "os.symlink", "shutil.rmtree")
+    WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def __init__(self, root: str) -> None:
+        self.root, self.active, self.seen = root, False, []
+
+    def __call__(self, event: str, arguments: tuple) -> None:
+        if not self.active or not (event in self.EVENTS or (event == "open" and (arguments[2] or 0) & self.WRITING)):
+            return
+        if isinstance(arguments[0], (str, bytes, os.PathLike)) and os.fsdecode(arguments[0]).startswith(self.root):
+            self.seen.append((event, os.fsdecode(arguments[0])))
+
+
 def ddp_scenarios(rank: int, tmp: str) -> dict:
     """Runs in each of 2 ranks; every trainer shares the one process group."""
     results = {}
-    # 1. parity with sp, accumulation + clipping, comm-hook count; rank-private output dirs.
+    # 1. parity with sp, accumulation + clipping, comm-hook count; which rank writes files.
     module = IndexedToy()
     backend = CountingDDPBackend()
-    trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, f"rank{rank}")), trainer_backend=backend)
+    writes = WritesUnder(tmp)
+    sys.addaudithook(writes)
+    writes.active = True
+    trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, "parity")), trainer_backend=backend)
     trainer.train()
+    writes.active = False
     results["parity"] = dict(_summary(trainer, module), allreduces=backend.allreduces, world=backend.world_size)
+    results["writes"] = writes.seen
     # 2. uneven data: odd dataset size, and loaders of different lengths per rank.
     module = UnevenToy(n_train=250)
-    trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, f"uneven{rank}")))
+    trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, "uneven")))
     trainer.train()
     results["uneven"] = _summary(trainer, module)
     # 3. uneven iterable loaders without a length.
     module = StreamToy(scheduler=None)
-    trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, f"stream{rank}"), epochs=1))
+    trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, "stream"), epochs=1))
     trainer.train()
     results["stream"] = _summary(trainer, module)
     # 4. find_unused_parameters reaches DistributedDataParallel.
     module = UnusedParameterToy(scheduler=None)
-    args = parity_args("ddp", os.path.join(tmp, f"unused{rank}"), epochs=1, find_unused_parameters=True)
+    args = parity_args("ddp", os.path.join(tmp, "unused"), epochs=1, find_unused_parameters=True)
     trainer = Trainer(module, args)
     trainer.train()
     results["unused"] = dict(_summary(trainer, module), flag=trainer.wrapped_module.find_unused_parameters)
     # 5. fewer validation samples than ranks: rank 1 evaluates nothing.
     module = IndexedToy(n_val=1, scheduler=None)
-    trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, f"tiny{rank}"), epochs=1))
+    trainer = Trainer(module, parity_args("ddp", os.path.join(tmp, "tiny"), epochs=1))
     trainer.train()
     results["tiny_val"] = _summary(trainer, module)
     # 6. (last: the failure leaves the process group) unused parameters without the setting.
     try:
-        Trainer(UnusedParameterToy(scheduler=None), parity_args("ddp", os.path.join(tmp, f"nounused{rank}"), epochs=1)).train()
+        Trainer(UnusedParameterToy(scheduler=None), parity_args("ddp", os.path.join(tmp, "nounused"), epochs=1)).train()
         results["unused_error"] = None
     except RuntimeError as error:
         results["unused_error"] = str(error)
@@ -307,9 +329,11 @@ def test_find_unused_parameters_is_passed_to_ddp(ddp_run):
 @pytest.mark.distributed
 def test_rank_zero_alone_writes_files(ddp_run):
     tmp = ddp_run["tmp"]
-    assert os.path.exists(os.path.join(tmp, "rank0", "metrics.csv"))
-    assert glob.glob(os.path.join(tmp, "rank0", "checkpoints", "*"))
-    assert not os.path.exists(os.path.join(tmp, "rank1"))
+    assert os.path.exists(os.path.join(tmp, "parity", "metrics.csv"))
+    assert glob.glob(os.path.join(tmp, "parity", "checkpoints", "*"))
+    rank0, rank1 = (result["writes"] for result in ddp_run["ranks"])
+    assert any(path.endswith("metrics.csv") for _, path in rank0)  # the probe sees writes
+    assert rank1 == []  # rank 1 only reads (the storage check's token)
 
 
 def _torchrun(*arguments: str, env=None, timeout: float = 90, cwd: str = ROOT) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """Callback: the hooks of the training loop, as objects."""
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from backends.stateful import refuse_renamed_state_methods
 from framework.loop.hooks import TrainingHooks
@@ -64,3 +64,47 @@ class Callback(TrainingHooks):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    def load_evaluation_state(self, state: Optional[Dict[str, Any]]) -> None:
+        """``validate``/``test``/``predict(checkpoint=...)`` loaded a checkpoint's weights: restore
+        from ``state`` (what :meth:`state_dict` returned when that checkpoint was saved; None: the
+        checkpoint holds none, e.g. a weights export) whatever decides which weights are
+        evaluated, so they are evaluated as training did at that step. Training state (an early
+        stopping counter...) stays as it is: the default does nothing.
+
+        Example:
+            >>> class Scale(Callback):
+            ...     def load_evaluation_state(self, state):
+            ...         self.factor = 1.0 if state is None else state["factor"]
+        """
+
+
+def callback_states(callbacks: Sequence[Callback]) -> List[Dict[str, Any]]:
+    """What a checkpoint keeps of ``callbacks``: ``{"type": class name, "state": state_dict()}``, in order.
+
+    Example:
+        >>> callback_states([Callback()])
+        [{'type': 'Callback', 'state': {}}]
+    """
+    return [{"type": type(callback).__name__, "state": callback.state_dict()} for callback in callbacks]
+
+
+def saved_states(
+    callbacks: Sequence[Callback], saved: Sequence[Dict[str, Any]]
+) -> List[Tuple[Callback, Optional[Dict[str, Any]]]]:
+    """Each callback with the state :func:`callback_states` saved for it (None: none), matched by
+    class name in order (the second callback of a class gets the second state of that class).
+
+    Example:
+        >>> first, second = Callback(), Callback()
+        >>> [state for _, state in saved_states([first, second], [{"type": "Callback", "state": {"n": 1}}])]
+        [{'n': 1}, None]
+    """
+    remaining = list(saved)
+    pairs: List[Tuple[Callback, Optional[Dict[str, Any]]]] = []
+    for callback in callbacks:
+        match = next((entry for entry in remaining if entry.get("type") == type(callback).__name__), None)
+        if match is not None:
+            remaining.remove(match)
+        pairs.append((callback, None if match is None else match["state"]))
+    return pairs

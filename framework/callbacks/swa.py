@@ -137,7 +137,7 @@ class SWA(WeightAveraging):
         was_training = trainer.module.training
         trainer.module.train()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), trainer.backend.inference(wrapped):  # fsdp: the units are resharded after
                 for batch in loader:
                     batch = trainer.backend.move_to_device(batch)
                     trainer.backend.forward(wrapped, Stage.TRAIN, global_step, batch, trainer.device)

@@ -2,7 +2,7 @@
 (``torch.optim.swa_utils.AveragedModel``); the base of :class:`EMA` and :class:`SWA`."""
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.optim.swa_utils import AveragedModel
@@ -78,7 +78,8 @@ class WeightAveraging(Callback):
             if self.updates:  # fsdp replaced the parameters after the average began
                 raise RuntimeError(f"{type(self).__name__}: the module's parameters changed after averaging began")
             self._live = _Tensors(trainer.module)
-            self.averaged = AveragedModel(self._live, multi_avg_fn=self.multi_avg_fn, use_buffers=self.use_buffers)
+            average = None if self.multi_avg_fn is None else _on_local_shards(self.multi_avg_fn, trainer.backend.local_shards)
+            self.averaged = AveragedModel(self._live, multi_avg_fn=average, use_buffers=self.use_buffers)
             self.averaged.requires_grad_(False)
 
     def should_update(self, global_step: int) -> bool:
@@ -169,3 +170,23 @@ class WeightAveraging(Callback):
         if not state:
             return
         self._ready()[0].load_state_dict(state["averaged"])
+
+    def load_evaluation_state(self, state: Optional[Dict[str, Any]]) -> None:
+        """The average saved with the checkpoint being evaluated; none saved (an export, a run
+        without averaging, a step before the first update): its weights are evaluated as they are."""
+        averaged = self._ready()[0]
+        if state:
+            averaged.load_state_dict(state["averaged"])
+        else:
+            averaged.n_averaged.zero_()  # the next update starts the average afresh from the weights
+
+
+def _on_local_shards(average: Callable[..., None], local_shards: Callable[[Any], Any]) -> Callable[..., None]:
+    """``average`` (a ``multi_avg_fn``) applied to this rank's part of each sharded tensor
+    (``TrainerBackend.local_shards``): an average is elementwise, and torch's foreach kernels
+    refuse a group that mixes sharded parameters (DTensors) with whole buffers."""
+
+    def on_local_shards(averaged: Sequence[torch.Tensor], current: Sequence[torch.Tensor], count: Any) -> None:
+        average(local_shards(list(averaged)), local_shards(list(current)), count)
+
+    return on_local_shards

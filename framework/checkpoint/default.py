@@ -4,7 +4,7 @@ resumes from, for every backend (the strategy writes and reads each checkpoint).
 import difflib
 import logging
 import time
-from typing import IO, Any, Callable, Dict, Optional, Sequence
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -348,14 +348,15 @@ class DefaultCheckpointer(AbstractCheckpointer):
         def read(url: str) -> Checkpoint:
             return self._read(url, current, optimizers)
 
+        gather = None if current is None else self.strategy.all_gather_object  # every rank reads: they agree
         checkpoint: Optional[Checkpoint] = None
         if self.args.resume == "auto":
-            checkpoint = self._load_latest(self.save_dir, read)
+            checkpoint = self._load_latest(self.save_dir, read, gather)
         if checkpoint is None and self.args.load_filename:
             checkpoint = read(self.args.load_filename)
             self.loaded_from = self.args.load_filename
         elif checkpoint is None and self.args.load_dir:
-            checkpoint = self._load_latest(self.args.load_dir, read)
+            checkpoint = self._load_latest(self.args.load_dir, read, gather)
         if checkpoint is None:
             if self.args.resume == "auto" or self.args.load_dir:
                 logger.info("no checkpoint in %s: starting fresh", self.args.load_dir or self.save_dir)
@@ -366,9 +367,12 @@ class DefaultCheckpointer(AbstractCheckpointer):
             self._scores.record(checkpoint_name(checkpoint.global_step, self.strategy.checkpoint_suffix), score)
         return checkpoint
 
-    def _load_latest(self, source: str, read: Callable[[str], Checkpoint]) -> Optional[Checkpoint]:
-        """The newest readable checkpoint in ``source`` (damaged ones reported and skipped), or None."""
-        found = load_latest(source, read)
+    def _load_latest(
+        self, source: str, read: Callable[[str], Checkpoint], gather: Optional[Callable[[Any], List[Any]]]
+    ) -> Optional[Checkpoint]:
+        """The newest readable checkpoint in ``source`` (damaged ones reported and skipped), or None;
+        ``gather``: the ranks agree on it (see :func:`~framework.checkpoint.resume.load_latest`)."""
+        found = load_latest(source, read, gather)
         if found is None:
             return None
         checkpoint, self.loaded_from = found

@@ -1,7 +1,7 @@
 """Loading a checkpoint's weights into a module for inference, without a trainer."""
 
 import logging
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -61,21 +61,42 @@ def load_weights(
         load_weights(module, "outputs/checkpoints", step="best")
         module.eval()
     """
-    if is_safetensors(path_or_dir):  # a .safetensors file or a sharded index: the module's state_dict
-        url, tensors = load_safetensors(path_or_dir)
+    # A .safetensors file or a sharded index is the module's state_dict; else a checkpoint or a directory of them.
+    url = path_or_dir if is_safetensors(path_or_dir) else resolve_checkpoint(path_or_dir, step, metric, mode, weights_only)
+    return load_checkpoint_into(module, url, weights_only, strategy)[0]
+
+
+def load_checkpoint_into(
+    module: torch.nn.Module,
+    url: str,
+    weights_only: bool = True,
+    strategy: Optional[Strategy] = None,
+    trainer_target: Optional[Dict[str, Any]] = None,
+) -> Tuple[str, Dict[str, Any]]:
+    """Load the weights of the checkpoint, model export or safetensors file ``url`` into
+    ``module``; return its URL and its trainer state (``{}`` for an export).
+
+    ``strategy`` as for :func:`load_weights`; with one, the trainer-state tensors that
+    ``trainer_target`` holds (e.g. ``{"callbacks": [...]}``: a weight average) are read into
+    them too (``fsdp``: this rank's shards), the others not at all.
+
+    Example:
+        url, trainer_state = load_checkpoint_into(module, "outputs/checkpoints/checkpoint-000000100.pt")
+    """
+    if is_safetensors(url):
+        url, tensors = load_safetensors(url)
         module.load_state_dict(tensors)
         logger.info("loaded weights from %s", url)
-        return url
-    url = resolve_checkpoint(path_or_dir, step, metric, mode, weights_only)
+        return url, {}
     io = FileIO(weights_only=weights_only)
     if strategy is None:
-        state = _module_state(SingleProcess().load_checkpoint(url, io))
+        data = SingleProcess().load_checkpoint(url, io)
     else:
-        data = strategy.load_checkpoint(url, io, target=lambda: {"module": _state_of(module), "trainer": {}})
-        state = _module_state(data)
-    _apply(module, state, url)
+        data = strategy.load_checkpoint(url, io, target=lambda: {"module": _state_of(module), "trainer": trainer_target or {}})
+    checkpoint = Checkpoint.from_dict(data) if isinstance(data, dict) and data.get("format") == FORMAT_NAME else None
+    _apply(module, data if checkpoint is None else checkpoint.module_state, url)  # else a model export: get_state()
     logger.info("loaded weights from %s", url)
-    return url
+    return url, {} if checkpoint is None else checkpoint.trainer_state
 
 
 def resolve_checkpoint(
@@ -98,12 +119,6 @@ def resolve_checkpoint(
 def _state_of(module: torch.nn.Module) -> Dict[str, Any]:
     get_state = getattr(module, "get_state", None)
     return get_state() if callable(get_state) else {"model": module.state_dict()}
-
-
-def _module_state(data: Any) -> Dict[str, Any]:
-    if isinstance(data, dict) and data.get("format") == FORMAT_NAME:
-        return Checkpoint.from_dict(data).module_state
-    return data  # a model export: the module's get_state()
 
 
 def _from_directory(directory: str, step: Step, metric: Optional[str], mode: Optional[str], weights_only: bool) -> str:

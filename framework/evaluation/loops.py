@@ -119,7 +119,7 @@ class Evaluator:
         ``step_hook`` (``on_end_val_step``...) is called after each step."""
         collected = []
         method, device, loss_name = f"{stage.value}_step", self.backend.device, f"{stage.value}_loss"
-        with torch.no_grad():
+        with torch.no_grad(), self.backend.inference(self.runner):  # fsdp: the shards are gathered, then freed
             for index, batch in enumerate(loader):
                 if limit is not None and index >= limit:
                     break

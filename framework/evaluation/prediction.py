@@ -14,9 +14,10 @@ from backends import TrainerBackend, map_tensors
 from backends.samplers import ResumableSampler
 from framework.checkpoint import storage
 from framework.evaluation.weights import on_main_then_everywhere
+from framework.loop.stage import Stage
 from framework.loop.step_outputs import concatenate_outputs
 from framework.metrics.collector import infer_batch_size
-from framework.module import ModuleInterface
+from framework.module import ModuleInterface, StepRunner
 from framework.run.arguments import TrainerArguments
 
 logger = logging.getLogger("framework")
@@ -44,15 +45,24 @@ class Predictor:
         module: the user's module.
         backend: the trainer's backend (autocast, device, sampler, collectives).
         args: the run's arguments (seed).
+        runner: the step dispatcher the steps go through (the trainer's, which ``fsdp`` shards;
+            None: a new one around ``module``).
 
     Example:
         predictions = Predictor(module, backend, args).run(global_step=0, batch_size=64)
     """
 
-    def __init__(self, module: ModuleInterface, backend: TrainerBackend, args: TrainerArguments) -> None:
+    def __init__(
+        self,
+        module: ModuleInterface,
+        backend: TrainerBackend,
+        args: TrainerArguments,
+        runner: Optional[torch.nn.Module] = None,
+    ) -> None:
         self.module = module
         self.backend = backend
         self.args = args
+        self.runner = runner if runner is not None else StepRunner(module)
 
     def loader(self, batch_size: int) -> Any:
         """The module's predict loader, ready for this rank.
@@ -100,12 +110,12 @@ class Predictor:
         module._metric_logger = None  # self.log in predict_step records nothing
         module.eval()
         indices = _sample_indices(loader, backend.data_parallel_rank, backend.data_parallel_size)
-        try:
-            with torch.no_grad():
+        try:  # through the runner: a sharded module gathers its parameters in its forward
+            with torch.no_grad(), backend.inference(self.runner):
                 for batch in loader:
                     size = infer_batch_size(batch)
                     batch = backend.move_to_device(batch)
-                    outputs = backend.forward(module.predict_step, global_step, batch, device)
+                    outputs = backend.forward(self.runner, Stage.PREDICT, global_step, batch, device)
                     outputs = map_tensors(outputs, lambda tensor: tensor.detach().cpu())
                     batch_indices = torch.tensor([next(indices) for _ in range(size)], dtype=torch.long)
                     if writer is not None:

@@ -4,10 +4,11 @@ to load ``"best"``, ``"last"`` or a checkpoint's weights first.
 Kept apart from the loop in :mod:`framework.loop.trainer`, which inherits :class:`TrainerEvaluation`.
 """
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from backends import TrainerBackend
 from framework import export
+from framework.callbacks.base import Callback
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.evaluation.loops import Evaluator
 from framework.evaluation.prediction import Predictor
@@ -18,7 +19,7 @@ from framework.loop.stage import Stage
 from framework.loop.training_state import TrainingProgress
 from framework.metrics.collector import MetricHistory
 from framework.metrics.recorder import MetricRecorder
-from framework.module import ModuleInterface
+from framework.module import ModuleInterface, StepRunner
 from framework.run.arguments import TrainerArguments
 
 
@@ -44,6 +45,8 @@ class TrainerEvaluation:
     train_step_batch_size: int
     _restored: bool
     _weights_loaded: bool
+    _runner: StepRunner
+    callbacks: List[Callback]
 
     def _prepare_callbacks(self) -> None:  # defined by Trainer
         raise NotImplementedError
@@ -52,7 +55,9 @@ class TrainerEvaluation:
         """Load the weights ``checkpoint`` names (None: keep the current ones; ``"best"``, ``"last"``,
         a path) on every rank; the URL loaded. ``method`` names the caller in messages."""
         known = bool(self.progress.global_steps_finished) or self._restored or self._weights_loaded
-        url = load_evaluation_weights(self.module, self.checkpointer, self.backend, checkpoint, method, known)
+        if checkpoint is not None:
+            self._prepare_callbacks()  # a weight average exists to receive the checkpoint's
+        url = load_evaluation_weights(self.module, self.checkpointer, self.backend, checkpoint, method, known, self.callbacks)
         self._weights_loaded = self._weights_loaded or url is not None  # later checkpoint=None calls use these
         return url
 
@@ -78,7 +83,7 @@ class TrainerEvaluation:
         """
         self.load_checkpoint_weights(checkpoint, "predict")
         batch_size = self.args.val_batch_size or self.train_step_batch_size
-        predictor = Predictor(self.module, self.backend, self.args)
+        predictor = Predictor(self.module, self.backend, self.args, self._runner)
         return predictor.run(self.progress.global_steps_finished, batch_size, predictions_dir)
 
     def best_checkpoint(self) -> Optional[str]:

@@ -2,13 +2,14 @@
 same file on every rank (rank zero picks it and broadcasts where it is)."""
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from backends import TrainerBackend
+from framework.callbacks.base import Callback, callback_states, saved_states
 from framework.checkpoint.abstract import AbstractCheckpointer
-from framework.checkpoint.weights import load_weights, resolve_checkpoint
+from framework.checkpoint.weights import load_checkpoint_into, resolve_checkpoint
 
 logger = logging.getLogger("framework")
 
@@ -52,9 +53,12 @@ def load_evaluation_weights(
     checkpoint: CheckpointChoice,
     method: str,
     weights_known: bool,
+    callbacks: Sequence[Callback] = (),
 ) -> Optional[str]:
     """Load the weights ``checkpoint`` names into ``module`` on every rank; return the file's URL
-    (None: the current weights are kept).
+    (None: the current weights are kept). Each of ``callbacks`` (set up) gets its state saved
+    in that checkpoint through ``load_evaluation_state`` (a weight average: the one of that
+    step, so the checkpoint is evaluated as training evaluated it).
 
     - ``None``: nothing is loaded. When the weights are not known (``weights_known``: the
       trainer has trained, resumed or loaded a checkpoint) and the checkpointer would resume
@@ -83,7 +87,11 @@ def load_evaluation_weights(
         f"failed to load checkpoint={checkpoint!r}",
         share_as=(FileNotFoundError, ValueError),
     )
-    load_weights(module, url, weights_only=checkpointer.weights_only, strategy=backend.strategy)  # the CheckpointIO seam
+    _, trainer_state = load_checkpoint_into(  # through the strategy's CheckpointIO (fsdp: each rank its shards)
+        module, url, checkpointer.weights_only, backend.strategy, {"callbacks": callback_states(callbacks)}
+    )
+    for callback, saved in saved_states(callbacks, trainer_state.get("callbacks", [])):
+        callback.load_evaluation_state(saved)
     logger.info("%s: evaluating the weights of %s", method, url)
     return url
 

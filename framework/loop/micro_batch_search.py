@@ -78,8 +78,7 @@ def search_micro_batch(
             return False
         finally:
             del batch, step_inputs
-            for parameter in module.parameters():
-                parameter.grad = None
+            backend.discard_gradients(wrapped)  # fsdp keeps a no_sync backward's gradients for the next step
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

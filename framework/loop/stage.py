@@ -14,3 +14,4 @@ class Stage(str, Enum):
     TRAIN = "train"
     VAL = "val"
     TEST = "test"
+    PREDICT = "predict"

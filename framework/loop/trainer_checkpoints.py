@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from backends import TrainerBackend, map_tensors
-from framework.callbacks.base import Callback
+from framework.callbacks.base import Callback, callback_states, saved_states
 from framework.checkpoint import AbstractCheckpointer, Checkpoint
 from framework.data.rng import capture_rng_state
 from framework.data.train_loader import TrainLoader
@@ -197,7 +197,7 @@ class TrainerCheckpoints:
             "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
             OPTIMIZER_TYPES_KEY: optimizer_types(self.optimizers),
             "schedulers": [scheduler.state_dict() for scheduler in self.schedulers],
-            "callbacks": [{"type": type(callback).__name__, "state": callback.state_dict()} for callback in self.callbacks],
+            "callbacks": callback_states(self.callbacks),
             "checkpointer": self.checkpointer.state_dict(),
             "history": self.history.state_dict(),
             "loggers": self.loggers.state_dict(),  # e.g. a tracker's run id, so a resumed run logs into it
@@ -231,12 +231,9 @@ class TrainerCheckpoints:
             optimizer.load_state_dict(optimizer_state)
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
-        saved_callbacks = list(state["callbacks"])
-        for callback in self.callbacks:  # matched by class name, in order
-            match = next((entry for entry in saved_callbacks if entry["type"] == type(callback).__name__), None)
-            if match is not None:
-                saved_callbacks.remove(match)
-                callback.load_state_dict(match["state"])
+        for callback, saved in saved_states(self.callbacks, state["callbacks"]):
+            if saved is not None:
+                callback.load_state_dict(saved)
         driven = {key for callback in self.callbacks for key in getattr(callback, "drives_hyperparameters", tuple)()}
         configured.restore(self.optimizers, driven)  # a changed hyperparameter: warned, the configured value used
         self.checkpointer.load_state_dict(state.get("checkpointer", {}))

@@ -36,6 +36,7 @@ from framework.run.run_directory import choose_run_directory, claim_run_director
 from framework.run.run_identity import StartingIdentity
 from framework.run.run_lock import RunLocks, claim_run_lock
 from framework.run.run_start import log_run_start
+from framework.run.shared_storage import check_shared_storage, run_directories
 
 logger = logging.getLogger("framework")
 
@@ -103,7 +104,8 @@ class TrainerSetup:
         args = self.args
         if not self._restored and not args.fast_dev_run:  # another run's output_dir: train in version_<N>
             self._choose_run_directory()
-        if not args.fast_dev_run:  # first: a second live run on this output_dir (or save_dir) stops here
+        if not args.fast_dev_run:  # every rank sees the same directories; a second live run on them stops here
+            check_shared_storage(run_directories(args.output_dir, self.checkpointer), self.backend)
             self._run_lock = claim_run_lock(args.output_dir, self.backend, locked_directories(args.output_dir, self.checkpointer))
         loader = self._create_train_loader()
         if self.wrapped_module is None:

@@ -125,7 +125,7 @@ def test_an_option_the_backend_does_not_use_is_refused(tmp_path):
         Trainer(ToyModule(), toy_args(tmp_path, backend="sp", find_unused_parameters=True))
     with pytest.raises(ValueError, match=r"find_unused_parameters=True does not apply to backend 'fsdp'"):
         build_backend("fsdp", TrainerArguments(find_unused_parameters=True))
-    with pytest.raises(ValueError, match=r"reshard_after_forward=False does not apply to backend 'ddp'.*the fsdp backends"):
+    with pytest.raises(ValueError, match=r"reshard_after_forward=False does not apply to backend 'ddp'.*fsdp and model-parallel"):
         build_backend("ddp", TrainerArguments(reshard_after_forward=False))
     with pytest.raises(ValueError, match=r"amp_dtype='bfloat16' does not apply to backend 'sp'.*allowed: amp_dtype=None"):
         build_backend("sp", TrainerArguments(amp_dtype="bfloat16"))

@@ -238,7 +238,7 @@ def test_a_stream_with_state_resumes_mid_epoch_exactly(tmp_path):
     reference, _ = run("reference", save_at_end=False)
     _stopped, _ = run("stopped", max_steps=11, save_at_end=True)  # 8 steps per epoch: stops mid-epoch 2
     assert checkpoints_in(tmp_path / "ckpt") == ["checkpoint-000000011.pt"]
-    resumed, trainer = run("resumed", resume="auto", save_at_end=False)
+    resumed, trainer = run("stopped", resume="auto", save_at_end=False)  # the same run, continued
     assert trainer.global_steps_finished == 16
     assert resumed.seen == list(range(24, 64))  # the rest of epoch 2, nothing twice
     assert torch.equal(flat_parameters(resumed), flat_parameters(reference))

@@ -211,7 +211,7 @@ def test_resume_mid_epoch_keeps_frequencies_exact(tmp_path):
         first = Scheduled(dropout=0.1)
         Trainer(first, make_args(tmp_path / f"first{stop}", max_steps=stop, checkpointer_args=saving)).train()
         resumed, again = Scheduled(dropout=0.1), RecordLR()
-        Trainer(resumed, make_args(tmp_path / f"resumed{stop}", checkpointer_args=saving), callbacks=[again]).train()
+        Trainer(resumed, make_args(tmp_path / f"first{stop}", checkpointer_args=saving), callbacks=[again]).train()  # continued
         assert again.lrs == recorder.lrs[stop:]
         assert torch.equal(flat_parameters(resumed), flat_parameters(reference))
         for path in (tmp_path / "ckpt").iterdir():

@@ -14,7 +14,7 @@ from typing import ClassVar, Dict
 
 import pytest
 
-from backends import SingleProcess, TrainerBackend, build_backend, register_backend
+from backends import SingleProcess, TrainerBackend, available_backends, build_backend, register_backend
 from backends.registry import unregister_backend
 from framework.conformance import FEATURES, KNOWN_SEAMS, MODELS, conformance, format_table, register_feature
 from framework.conformance.matrix import covering
@@ -22,6 +22,15 @@ from framework.conformance.report import built_in_backends, run_backend, suite_d
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPOSITORY, "tests")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins_registered_here_are_gone_after():
+    """The faulty plugins and the docs' plugin register in this process: leave the registry as found."""
+    before = set(available_backends())
+    yield
+    for name in set(available_backends()) - before:
+        unregister_backend(name)
 
 
 @pytest.fixture(scope="module")

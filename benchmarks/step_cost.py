@@ -31,16 +31,16 @@ import time
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from overhead import BATCH, BenchmarkModule, make_net  # noqa: E402
+from ddp_overhead import make_data  # noqa: E402
 
-from backends import ResumableSampler  # noqa: E402
+from overhead import BATCH, BenchmarkModule, raw_loop  # noqa: E402
+
 from framework import Trainer, TrainerArguments  # noqa: E402
 
 SYNC_OPS = ("_local_scalar_dense",)
@@ -152,28 +152,6 @@ def count(train: Callable[[], None]) -> Counts:
     return Counts(counter.ops, calls, counter.fresh_tensors, syncs, collections_by_generation, gc_seconds[0], tracked)
 
 
-def make_data(samples: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, 32, generator=generator)
-    return TensorDataset(x, (x @ torch.randn(32, 10, generator=generator)).argmax(1))
-
-
-def raw_train(data: TensorDataset, epochs: int) -> None:
-    """The hand-written loop of ``overhead.py``, with the epoch's mean loss read once per epoch as
-    the framework reports it."""
-    net = make_net()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    sampler = ResumableSampler(data, shuffle=True, seed=0)
-    loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-
 def framework_train(data: TensorDataset, epochs: int, output_dir: str, quiet: bool, backend: str = "sp") -> None:
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     args = TrainerArguments(
@@ -207,7 +185,7 @@ def measure(samples: int, epochs: Sequence[int], backend: str = "sp") -> Dict[st
     steps_per_epoch = samples // (BATCH * world_size)
     results: Dict[str, Dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as output_dir:
-        raw_train(data, 1)  # first-step imports (AdamW's torch._dynamo) out of the counts
+        raw_loop(data, 1)  # first-step imports (AdamW's torch._dynamo) out of the counts
         framework_train(data, 1, output_dir, True, backend)
         runners: Dict[str, Callable[[int], None]] = {
             "raw": lambda e: _raw(data, e, backend),
@@ -223,7 +201,7 @@ def measure(samples: int, epochs: Sequence[int], backend: str = "sp") -> Dict[st
 
 def _raw(data: TensorDataset, epochs: int, backend: str) -> None:
     if backend == "sp":
-        raw_train(data, epochs)
+        raw_loop(data, epochs)  # overhead.py's hand-written loop (its two clock reads cancel out)
         return
     from ddp_overhead import raw_ddp_loop
 

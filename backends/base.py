@@ -238,6 +238,26 @@ class TrainerBackend:
             return runner.forward
         return lambda *args: self.forward(wrapped, *args)
 
+    def is_plain(self, call: str) -> bool:
+        """True when ``call`` does what plain PyTorch does, so the training loop may do that
+        itself, decided once: neither this backend's class nor its strategy's or precision's
+        changes it. Plain ``no_sync`` is no context, plain ``backward`` is ``loss.backward()``,
+        plain ``unscale_gradients`` is nothing and plain ``step_optimizers`` is
+        ``optimizer.step()`` for each optimizer. (Each layer costs a small model a few
+        microseconds a step; a plugin that overrides a call always has it called.)
+
+        Example:
+            >>> from backends import build_backend
+            >>> [build_backend("sp").is_plain(call) for call in ("no_sync", "backward", "step_optimizers")]
+            [True, True, True]
+            >>> build_backend("sp-amp").is_plain("step_optimizers"), build_backend("ddp").is_plain("no_sync")
+            (False, False)
+        """
+        if call not in _PLAIN_CALLS:
+            raise ValueError(f"is_plain({call!r}): the calls a loop may make plainly are {sorted(_PLAIN_CALLS)}")
+        owner, base = (self.strategy, Strategy) if call == "no_sync" else (self.precision, Precision)
+        return getattr(type(self), call) is getattr(TrainerBackend, call) and getattr(type(owner), call) is getattr(base, call)
+
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """Context for one micro-batch; skips the gradient all-reduce when asked."""
         return self.strategy.no_sync(wrapped, skip_gradient_sync)
@@ -373,6 +393,9 @@ class TrainerBackend:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.precision.load_state_dict(state.get("precision", {}))
+
+
+_PLAIN_CALLS = frozenset({"no_sync", "backward", "unscale_gradients", "step_optimizers"})
 
 
 def _has_call_hooks(module: torch.nn.Module) -> bool:

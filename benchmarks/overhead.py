@@ -27,6 +27,7 @@ from framework import ModuleInterface, Trainer, TrainerArguments
 SAMPLES, FEATURES, CLASSES, BATCH = 8192, 32, 10, 32
 CLOCK = [time.perf_counter]  # --clock cpu: this thread's CPU time (robust to a busy or shared machine)
 EPOCH_STARTS: list = []  # perf_counter() at each epoch's start of the last framework_loop run (steady per-step figures)
+TRAINING_END: list = []  # perf_counter() when its last epoch ended (``on_end_train``: before callbacks draw or save)
 
 
 def make_data() -> TensorDataset:
@@ -85,6 +86,9 @@ class BenchmarkModule(ModuleInterface):
     def on_begin_train_epoch(self, global_step, epoch):
         EPOCH_STARTS.append(time.perf_counter())
 
+    def on_end_train(self, global_step):
+        TRAINING_END[:] = [time.perf_counter()]  # the module's hook runs before the callbacks'
+
 
 def framework_loop(
     data: TensorDataset,
@@ -97,11 +101,12 @@ def framework_loop(
 ) -> float:
     run_dir = tempfile.mkdtemp(dir=output_dir)  # a fresh directory per run: a run never reuses another's
     EPOCH_STARTS.clear()  # this run's epochs only (runs alternate in one process)
+    TRAINING_END.clear()
     args = TrainerArguments(
         epochs=epochs, train_batch_size=BATCH, backend=backend, seed=0, output_dir=run_dir, use_gpu=False, profiler=profiler
     )
-    if quiet:  # progress bar and step logging off: the loop's own cost
-        args.disable_tqdm, args.log_every_n_steps, args.log_level = True, 10**9, "WARNING"
+    if quiet:  # progress bar, step logging and the end-of-run plot off: the loop's own cost
+        args.disable_tqdm, args.log_every_n_steps, args.log_level, args.plot_metrics = True, 10**9, "WARNING", False
     args.checkpointer_args.period = 0
     args.checkpointer_args.save_at_end = False
     trainer = Trainer(BenchmarkModule(data, hidden), args)

@@ -72,12 +72,15 @@ class Evaluator:
     ) -> Dict[str, float]:
         """Evaluate every loader of ``stage``; with ``record=False`` (sanity checks) only run the steps."""
         results: Dict[str, float] = {}
+        loaders = self.loaders(stage, batch_size)
+        if not loaders:  # nothing to evaluate: the model stays as it is (train/eval walks every submodule)
+            return results
         was_training = self.module.training
         previous_logger, collector, losses = self.module._metric_logger, MetricCollector(), MetricCollector()
         self.module._metric_logger = collector
         self.module.eval()
         try:
-            for key, loader in self.loaders(stage, batch_size).items():
+            for key, loader in loaders.items():
                 limit = max_batches or _batch_limit(self.args.max_val_steps_per_epoch, loader)
                 self.current_batches = _planned_batches(loader, limit)
                 if record:

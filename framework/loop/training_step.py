@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from backends import TrainerBackend, map_tensors
+from framework.loop.gradient_accumulators import gradient_accumulators
 from framework.loop.hooks import HookDispatcher
 from framework.loop.schedulers import LRSchedules
 from framework.loop.stage import Stage
@@ -62,10 +63,16 @@ class TrainingStep:
         self._device = backend.device
         self._wrapped: torch.nn.Module = module
         self._parameters: List[torch.nn.Parameter] = []
+        self._gradient_accumulators: List[Any] = []  # kept alive: not rebuilt every step
         self._optimizers: Sequence[torch.optim.Optimizer] = ()
         self._schedules = LRSchedules()
         self._automatic = True
         self._closure = False  # LBFGS-like optimizers re-evaluate the loss themselves
+        # The backend's calls the loop makes itself where they are plain (``is_plain``), decided in prepare():
+        self._no_sync: Optional[Callable[..., Any]] = backend.no_sync
+        self._backward: Callable[[torch.Tensor], None] = backend.backward
+        self._unscale_gradients: Optional[Callable[..., None]] = backend.unscale_gradients
+        self._step_optimizers: Optional[Callable[..., bool]] = backend.step_optimizers
         self._sync_every_batch = False  # a stream: its last micro-batch is not known ahead
         self._first_loss_checked = False
 
@@ -81,9 +88,15 @@ class TrainingStep:
         """Hand over what steps run on (again after the train loader changed)."""
         self._forward, self._wrapped, self._optimizers, self._schedules = forward, wrapped, optimizers, schedules
         self._parameters = [p for p in self.module.parameters() if p.requires_grad]
+        self._gradient_accumulators = gradient_accumulators(self._parameters)
         self._automatic = automatic
         self._closure = any(isinstance(optimizer, torch.optim.LBFGS) for optimizer in optimizers)
         self._sync_every_batch = loader_length is None
+        backend, plain = self.backend, self.backend.is_plain
+        self._no_sync = None if plain("no_sync") else backend.no_sync
+        self._backward = torch.Tensor.backward if plain("backward") else backend.backward
+        self._unscale_gradients = None if plain("unscale_gradients") else backend.unscale_gradients
+        self._step_optimizers = None if plain("step_optimizers") else backend.step_optimizers
 
     @property
     def uses_closure(self) -> bool:
@@ -128,19 +141,19 @@ class TrainingStep:
     def _forward_backward(self, batch: Any, cycle_length: int, sync: bool) -> Tuple[Any, ...]:
         """Forward and backward of one micro-batch; with ``tbptt_steps``, chunk by chunk along
         dim 1, carrying the (detached) hidden state and summing the chunks' gradients."""
-        step, backend = self.progress.global_steps_finished, self.backend
+        step = self.progress.global_steps_finished
         if not self.args.tbptt_steps:
-            with backend.no_sync(self._wrapped, skip_gradient_sync=not sync):
-                outputs = as_outputs(self._forward(Stage.TRAIN, step, batch, self._device), "train_step")
-                if not self._first_loss_checked:
-                    self._check_first_loss(outputs[0])
-                backend.backward(outputs[0] / cycle_length if cycle_length > 1 else outputs[0])
+            if self._no_sync is None:
+                outputs = self._forward_then_backward(step, batch, cycle_length)
+            else:
+                with self._no_sync(self._wrapped, skip_gradient_sync=not sync):
+                    outputs = self._forward_then_backward(step, batch, cycle_length)
             self.hooks.call("on_end_backward", step, outputs[0])
             return outputs
         chunks = split_along_time(batch, self.args.tbptt_steps)
         hiddens, total_loss = None, 0.0
         for index, chunk in enumerate(chunks):
-            with backend.no_sync(self._wrapped, skip_gradient_sync=not sync or index + 1 < len(chunks)):
+            with self.backend.no_sync(self._wrapped, skip_gradient_sync=not sync or index + 1 < len(chunks)):
                 outputs = as_outputs(self._forward(Stage.TRAIN, step, chunk, self._device, hiddens), "train_step")
                 if len(outputs) < 2:
                     raise TypeError(
@@ -148,11 +161,18 @@ class TrainingStep:
                     )
                 if not self._first_loss_checked:
                     self._check_first_loss(outputs[0])
-                backend.backward(outputs[0] / (cycle_length * len(chunks)))
+                self._backward(outputs[0] / (cycle_length * len(chunks)))
             self.hooks.call("on_end_backward", step, outputs[0])
             hiddens = map_tensors(outputs[1], torch.Tensor.detach)
             total_loss = total_loss + outputs[0].detach()
         return (total_loss / len(chunks), *outputs[1:])
+
+    def _forward_then_backward(self, step: int, batch: Any, cycle_length: int) -> Tuple[Any, ...]:
+        outputs = as_outputs(self._forward(Stage.TRAIN, step, batch, self._device), "train_step")
+        if not self._first_loss_checked:
+            self._check_first_loss(outputs[0])
+        self._backward(outputs[0] / cycle_length if cycle_length > 1 else outputs[0])
+        return outputs
 
     def _check_first_loss(self, loss: torch.Tensor) -> None:
         checks.check_loss_requires_grad(loss, self.module)
@@ -191,10 +211,16 @@ class TrainingStep:
         """Unscale, clip, step optimizers (and per-step schedulers), zero gradients."""
         args = self.args
         if closure is None:
-            self.backend.unscale_gradients(self._optimizers)
+            if self._unscale_gradients is not None:
+                self._unscale_gradients(self._optimizers)
             if args.clip_grads or args.track_grad_norm or args.clip_grad_value is not None:
                 self.clip_gradients()
-        stepped = self.backend.step_optimizers(self._optimizers, closure)
+        if self._step_optimizers is not None:
+            stepped = self._step_optimizers(self._optimizers, closure)
+        else:
+            for optimizer in self._optimizers:
+                optimizer.step(closure) if closure is not None else optimizer.step()
+            stepped = True
         if stepped and self._schedules.scheduled:
             try:
                 self._schedules.step_per_optimizer_step(self.progress.global_steps_finished + 1)

@@ -56,14 +56,18 @@ class MetricRecorder:
         with the ranks' ``stop_flags`` riding on the same all-reduce; record them. Returns the
         flags of any rank."""
         has_loss = self.losses.has_unlogged
-        interval_mean = self.losses.interval_mean().float().reshape(1)
-        flags = torch.tensor([float(flag) for flag in stop_flags], device=self.backend.device)
-        loss, *any_flags = self.backend.all_reduce(torch.cat([interval_mean, flags])).tolist()
+        interval_mean = self.losses.interval_mean().float()
+        if self.backend.world_size == 1:  # one read, nothing to agree on
+            loss, any_flags = float(interval_mean), list(stop_flags)
+        else:
+            flags = torch.tensor([float(flag) for flag in stop_flags], device=self.backend.device)
+            loss, *reduced = self.backend.all_reduce(torch.cat([interval_mean.reshape(1), flags])).tolist()
+            any_flags = [flag > 0 for flag in reduced]
         self.losses.mark_logged()
         if has_loss:
             self.record_train_loss("train_loss", loss)
         self.record(self.reduce(self.collector.pop_step()))
-        return [flag > 0 for flag in any_flags]
+        return any_flags
 
     def end_train_epoch(self, outputs_hook: Callable[[], None]) -> None:
         """The epoch's mean training loss, then ``outputs_hook`` (``on_end_train_epoch``), then what

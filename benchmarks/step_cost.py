@@ -14,9 +14,11 @@ of ``overhead.py`` for a short and a long run in this process and counts, per op
 Counts are the same on every call (they do not jitter as timers do); the test suite holds them
 to a budget (``tests/test_step_cost.py``). ``--ddp`` counts rank 0 of a 2-rank gloo group, raw
 DDP loop against the framework's ``ddp``. ``--time ROUNDS`` also times the steady per-step cost
-in fresh processes, alternating, through ``fresh_process.py``'s children.
+in fresh processes, alternating, through ``fresh_process.py``'s children. ``--instructions``
+instead counts the CPU instructions per step of those children under valgrind (cachegrind):
+a count that does not jitter, of everything a step costs the CPU (Python, libtorch, malloc, the GIL).
 
-    python benchmarks/step_cost.py [--samples 8192] [--epochs 1 3] [--ddp] [--time 10]
+    python benchmarks/step_cost.py [--samples 8192] [--epochs 1 3] [--ddp] [--time 10] [--instructions]
 """
 
 import argparse
@@ -289,6 +291,49 @@ def time_fresh(rounds: int, epochs: int) -> None:
         print(f"steady per-step time, {name} / raw: {median:.3f} (medians), {paired:.3f} (paired), {rounds} rounds")
 
 
+def count_instructions(epochs: Sequence[int], parallel: int = 2) -> Dict[str, float]:
+    """CPU instructions per step of the raw loop and the framework (quiet, defaults without the
+    end-of-run plot), each run a fresh ``fresh_process.py`` child under valgrind's cachegrind
+    (``--cache-sim=no``: instructions only), long run minus short run. Deterministic to about
+    0.05% between calls, where timers move by 1-10%; each run takes about a minute."""
+    import re
+    import shutil
+    import subprocess
+
+    from fresh_process import user_environment
+
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    environment = dict(user_environment(), FRAMEWORK_PLOT_METRICS="0")
+    runs = [(name, epochs_) for name in ("raw", "quiet", "defaults") for epochs_ in epochs]
+    totals: Dict[Any, int] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for start in range(0, len(runs), parallel):
+            started = []
+            for name, epochs_ in runs[start : start + parallel]:
+                command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={folder}/{name}.{epochs_}"]
+                command += [sys.executable, os.path.join(HERE, "fresh_process.py"), "--child", name, "--epochs", str(epochs_)]
+                started.append(
+                    (
+                        (name, epochs_),
+                        subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True),
+                    )
+                )
+            for key, process in started:
+                _, stderr = process.communicate()
+                found = re.search(r"I\s+refs:\s+([\d,]+)", stderr)
+                if process.returncode != 0 or found is None:
+                    raise SystemExit(f"{key}: valgrind failed ({process.returncode}):\n{stderr[-2000:]}")
+                totals[key] = int(found.group(1).replace(",", ""))
+    steps = (epochs[1] - epochs[0]) * 8192 // BATCH
+    per_step = {name: (totals[(name, epochs[1])] - totals[(name, epochs[0])]) / steps for name in ("raw", "quiet", "defaults")}
+    for name in ("raw", "quiet", "defaults"):
+        extra = per_step[name] - per_step["raw"]
+        ratio = per_step[name] / per_step["raw"]
+        print(f"instructions per step, {name:<8} {per_step[name]:>11,.0f}  ({extra:+,.0f}, {ratio:.4f}x raw)")
+    return per_step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=8192, help="samples per epoch (batch 32 per rank)")
@@ -296,7 +341,11 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="2-rank gloo: rank 0's counts")
     parser.add_argument("--time", type=int, default=0, metavar="ROUNDS", help="also time fresh processes, alternating")
     parser.add_argument("--time-epochs", type=int, default=4, help="epochs of each timed fresh process")
+    parser.add_argument("--instructions", action="store_true", help="only CPU instructions per step, under valgrind (sp)")
     options = parser.parse_args()
+    if options.instructions:
+        count_instructions(options.epochs)
+        return
     results = measure_ddp(options.samples, options.epochs) if options.ddp else measure(options.samples, options.epochs)
     print_table(results)
     if options.time:

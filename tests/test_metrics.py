@@ -248,3 +248,28 @@ def test_two_ranks_reduce_logged_values_across_ranks(tmp_path):
     assert history["r_min_epoch"] == [(8, 1.0)]
     # Validation: each rank saw 2 batches of 16 samples; sum over batches and ranks.
     assert history["val_rank_sum"] == [(8, 2 * 1.0 + 2 * 2.0)]
+
+
+def test_the_loss_tracker_finds_the_first_nonfinite_step_only_when_a_read_was_not_finite():
+    """A finite mean read back clears the losses it covers (no search in a healthy run); a
+    non-finite read searches them, also across folds and the periodic search of unread ones."""
+    import math
+
+    from framework.metrics.loss_tracker import LossTracker
+
+    tracker = LossTracker(torch.device("cpu"))
+    tracker.start_epoch()
+    for step in range(10):
+        tracker.add(torch.tensor(1.0), step)
+    tracker.after_read(float(tracker.interval_mean()))
+    tracker.mark_logged()
+    assert tracker.first_nonfinite_step() is None and not tracker._unchecked
+    tracker._SEARCH_EVERY = 4  # unread stretches searched on the device every 4 micro-batches
+    tracker._FOLD_EVERY = 2
+    for step in range(10, 20):
+        tracker.add(torch.tensor(float("nan") if step >= 13 else 1.0), step)
+    mean = float(tracker.interval_mean())
+    assert math.isnan(mean)
+    tracker.after_read(mean)
+    assert tracker.first_nonfinite_step() == 13
+    assert tracker.state_dict()["first_nonfinite_step"] == 13

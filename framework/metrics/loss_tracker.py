@@ -1,6 +1,7 @@
 """Training-loss bookkeeping kept out of the loop: device-side sums, read back only when logged."""
 
-from typing import Any, Dict, List, Optional
+import math
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -27,9 +28,12 @@ class LossTracker:
     """Sums each micro-batch's training loss on the device; nothing is read back per step.
 
     ``add`` keeps the detached loss; the kept losses are folded into a running sum with one
-    device op when read (at log points and epoch ends) or every 1024 micro-batches. The
-    fold also remembers the first optimizer step whose loss was not finite, so a diverged
-    run can be reported by step without a host sync per step. Sums are float64 (float32 on
+    device op when read (at log points and epoch ends) or every 1024 micro-batches. Which
+    optimizer step's loss was first not finite is searched for only where that can be the
+    case: a finite mean read back (:meth:`after_read`) clears every loss it covers, so a
+    healthy run never searches (an unread stretch is searched every 8192 micro-batches, on
+    the device); a diverged run is still reported by step without a host sync per step.
+    Sums are float64 (float32 on
     MPS), in which adding float32 losses is exact in practice: the logged means do not depend
     on where folds happened, so a run resumed from a checkpoint logs bitwise the same values.
 
@@ -46,6 +50,7 @@ class LossTracker:
     """
 
     _FOLD_EVERY = 1024
+    _SEARCH_EVERY = 8192
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -57,9 +62,12 @@ class LossTracker:
         self._logged_sum = self._epoch_sum.clone()
         self._logged_count = 0
         self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.long, device=device)
+        self._unchecked: List[Tuple[torch.Tensor, List[int]]] = []  # folded losses no finite read has covered yet
+        self._unchecked_count = 0
 
     def start_epoch(self) -> None:
         """Forget the previous epoch's sums."""
+        self._search_unchecked()
         self._unsummed = []
         self._unsummed_steps = []
         self._epoch_sum = torch.zeros((), dtype=self._dtype, device=self.device)
@@ -84,12 +92,33 @@ class LossTracker:
         if losses.dim() != 1:
             losses = losses.reshape(len(self._unsummed), -1).mean(1)
         self._epoch_sum += losses.sum()
-        steps = torch.tensor(self._unsummed_steps, device=self.device)
-        first_here = torch.where(torch.isfinite(losses), _NO_STEP, steps).min()
-        seen_before = self._first_bad_step < _NO_STEP
-        self._first_bad_step = torch.where(seen_before, self._first_bad_step, first_here)
+        self._unchecked.append((losses, self._unsummed_steps))
+        self._unchecked_count += len(self._unsummed_steps)
         self._unsummed = []
         self._unsummed_steps = []
+        if self._unchecked_count >= self._SEARCH_EVERY:
+            self._search_unchecked()
+
+    def _first_unchecked_bad_step(self) -> torch.Tensor:
+        """The first non-finite loss's step, over what is known and the unchecked losses (device ops)."""
+        if not self._unchecked:
+            return self._first_bad_step
+        losses = torch.cat([folded for folded, _ in self._unchecked])
+        steps = torch.tensor([step for _, folded_steps in self._unchecked for step in folded_steps], device=self.device)
+        return torch.minimum(self._first_bad_step, torch.where(torch.isfinite(losses), _NO_STEP, steps).min())
+
+    def _search_unchecked(self) -> None:
+        self._first_bad_step = self._first_unchecked_bad_step()
+        self._unchecked, self._unchecked_count = [], 0
+
+    def after_read(self, value: float) -> None:
+        """The mean just read back (:meth:`interval_mean` at a log point, :meth:`epoch_mean`,
+        over every rank) was ``value``: finite, it proves every loss it covers finite; else
+        the losses it covers are searched for the first non-finite one now."""
+        if math.isfinite(value):
+            self._unchecked, self._unchecked_count = [], 0
+        else:
+            self._search_unchecked()
 
     @property
     def has_unlogged(self) -> bool:
@@ -113,6 +142,7 @@ class LossTracker:
     def first_nonfinite_step(self) -> Optional[int]:
         """The step whose loss was first NaN/inf, or None (reads the device: call when a read is due)."""
         self._fold()
+        self._search_unchecked()
         step = int(self._first_bad_step)
         return None if step == _NO_STEP else step
 
@@ -126,7 +156,7 @@ class LossTracker:
             "logged_count": self._logged_count,
             "unsummed_losses": [loss.cpu() for loss in self._unsummed],
             "unsummed_steps": list(self._unsummed_steps),
-            "first_nonfinite_step": int(self._first_bad_step),
+            "first_nonfinite_step": int(self._first_unchecked_bad_step()),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

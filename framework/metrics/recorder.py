@@ -63,6 +63,7 @@ class MetricRecorder:
             flags = torch.tensor([float(flag) for flag in stop_flags], device=self.backend.device)
             loss, *reduced = self.backend.all_reduce(torch.cat([interval_mean.reshape(1), flags])).tolist()
             any_flags = [flag > 0 for flag in reduced]
+        self.losses.after_read(loss)
         self.losses.mark_logged()
         if has_loss:
             self.record_train_loss("train_loss", loss)
@@ -74,7 +75,9 @@ class MetricRecorder:
         ``module.log`` collected for the epoch (from the steps and that hook)."""
         mean_loss = self.losses.epoch_mean()
         if mean_loss is not None:
-            self.record_train_loss("train_loss_epoch", float(self.backend.all_reduce(mean_loss)))
+            value = float(self.backend.all_reduce(mean_loss))
+            self.losses.after_read(value)
+            self.record_train_loss("train_loss_epoch", value)
         outputs_hook()
         self.record(self.reduce(self.collector.pop_epoch(), agree_on_names=True))
 

@@ -3,7 +3,7 @@
 Both train the same MLP (32-64-64-10, batch 32, AdamW, in-memory data) for the same number
 of steps, alternating runs in one process; the figures are the ratio of median wall times and
 the median of the per-pair ratios, framework / raw (targets: <= 1.05 with the progress bar and
-logging at their defaults, <= 1.03 with both off: ``--quiet``).
+logging at their defaults, <= 1.03 with both and the end-of-run plot off: ``--quiet``).
 
     python benchmarks/overhead.py [--epochs 3] [--repeats 5] [--backend sp] [--quiet] [--clock cpu] [--profiler torch]
 """

@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fresh_process import fit_line, json_objects, run_process_output
 
-from overhead import BenchmarkModule, make_net
+from overhead import EPOCH_STARTS, TRAINING_END, BenchmarkModule, make_net
 
 from framework import Trainer, TrainerArguments
 
@@ -83,7 +83,9 @@ def raw_ddp_loop(data: TensorDataset, epochs: int, batch_per_rank: int, hidden: 
     world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=batch_per_rank, sampler=sampler)
+    epoch_starts = []
     for epoch in range(epochs):
+        epoch_starts.append(time.perf_counter())
         sampler.set_epoch(epoch)
         running, count = torch.zeros((), device=device), 0
         for x, y in loader:
@@ -98,7 +100,9 @@ def raw_ddp_loop(data: TensorDataset, epochs: int, batch_per_rank: int, hidden: 
             dist.all_reduce(running)
         float(running) / (count * world_size)
     synchronize(device)
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    STEADY_SECONDS[:] = [end - epoch_starts[1] if epochs > 1 else 0.0]
+    return end - start
 
 
 def framework_loop(
@@ -121,14 +125,21 @@ def framework_loop(
         seed=0,
         output_dir=run_dir,
         disable_tqdm=True,
+        plot_metrics=False,  # drawn once, after the last step: a fixed cost of rank 0 (docs/benchmarks.md)
         log_level="WARNING",
         log_every_n_steps=log_every_n_steps,
         checkpointer_args={"period": 0, "save_at_end": False},
         use_gpu=device.type == "cuda",
     )
+    EPOCH_STARTS.clear()
+    TRAINING_END.clear()
     Trainer(BenchmarkModule(data, hidden), args).train()
     synchronize(device)
+    STEADY_SECONDS[:] = [TRAINING_END[0] - EPOCH_STARTS[1] if epochs > 1 else 0.0]
     return time.perf_counter() - start
+
+
+STEADY_SECONDS: List[float] = [0.0]  # the last run's seconds from its second epoch's start to its last epoch's end
 
 
 def slowest_rank(seconds: float) -> float:
@@ -139,8 +150,11 @@ def slowest_rank(seconds: float) -> float:
     return float(value)
 
 
-def alternate(runs: Dict[str, Callable[[], float]], repeats: int) -> Dict[str, List[float]]:
-    """Warm every run up once, then ``repeats`` rounds, switching the order every round."""
+def alternate(
+    runs: Dict[str, Callable[[], float]], repeats: int, steady: Optional[Dict[str, List[float]]] = None
+) -> Dict[str, List[float]]:
+    """Warm every run up once, then ``repeats`` rounds, switching the order every round; with
+    ``steady``, also collect each run's :data:`STEADY_SECONDS` (the slowest rank's) there."""
     names = list(runs)
     for name in names:
         runs[name]()
@@ -150,6 +164,8 @@ def alternate(runs: Dict[str, Callable[[], float]], repeats: int) -> Dict[str, L
             if dist.is_initialized():
                 dist.barrier()
             times[name].append(slowest_rank(runs[name]()))
+            if steady is not None:
+                steady.setdefault(name, []).append(slowest_rank(STEADY_SECONDS[0]))
     return times
 
 
@@ -180,6 +196,7 @@ def ddp_benchmark(options: argparse.Namespace) -> None:
         torch.set_num_threads(options.threads)
         data = make_data(options.samples_per_rank * world_size)
         steps = options.epochs * options.samples_per_rank // options.batch
+        steady: Dict[str, List[float]] = {}
         with tempfile.TemporaryDirectory() as output_dir:
             times = alternate(
                 {
@@ -190,6 +207,7 @@ def ddp_benchmark(options: argparse.Namespace) -> None:
                     ),
                 },
                 options.repeats,
+                steady,
             )
         if dist.get_rank() == 0:
             print(
@@ -197,6 +215,9 @@ def ddp_benchmark(options: argparse.Namespace) -> None:
                 f"per rank, {options.repeats} alternating repeats, {options.threads} torch thread(s) per rank"
             )
             report(times, steps, "raw DDP loop")
+            if options.epochs > 1:
+                print(f"steady (second epoch's start to the last epoch's end, {steps - steps // options.epochs} steps):")
+                report(steady, steps - steps // options.epochs, "raw DDP loop")
     finally:
         dist.destroy_process_group()
 

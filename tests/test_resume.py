@@ -219,7 +219,11 @@ def test_signal_from_outside_while_training_stops_cleanly_and_resumes_bitwise(tm
 def test_second_signal_aborts_at_once_and_keeps_the_previous_checkpoint(tmp_path):
     process = _start(tmp_path, "--step-sleep", "3", "--save-every", "1")
     _wait_for_line(process, "STEP 1")
-    process.send_signal(signal.SIGTERM)  # the next step boundary is ~3 s away
+    deadline = time.monotonic() + 60
+    while not (os.path.isdir(tmp_path / "checkpoints") and checkpoint_steps(tmp_path) == [1]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # step 1's checkpoint and stop check done: a signal now lands inside step 2
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)  # the next step boundary is ~2.5 s away
     time.sleep(0.5)
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)

@@ -33,9 +33,9 @@ class LossTracker:
     case: a finite mean read back (:meth:`after_read`) clears every loss it covers, so a
     healthy run never searches (an unread stretch is searched every 8192 micro-batches, on
     the device); a diverged run is still reported by step without a host sync per step.
-    Sums are float64 (float32 on
-    MPS), in which adding float32 losses is exact in practice: the logged means do not depend
-    on where folds happened, so a run resumed from a checkpoint logs bitwise the same values.
+    Sums are float64 (float32 on MPS), in which adding float32 losses is exact in practice:
+    the logged means do not depend on where folds happened, so a run resumed from a
+    checkpoint logs bitwise the same values.
 
     Args:
         device: where the sums live.

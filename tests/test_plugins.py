@@ -232,3 +232,40 @@ def test_docs_example_backend():
     assert len(recorded) == trainer.global_steps_finished == 4
     assert recorded == pytest.approx(tracked, rel=1e-6)
     assert max(recorded) > 0.5  # recorded before clipping
+
+
+def test_a_call_overridden_on_the_backend_strategy_or_precision_is_made_every_step_the_rest_plainly(tmp_path):
+    """The loop makes plain calls itself (``TrainerBackend.is_plain``); an override anywhere is called."""
+    import contextlib
+
+    calls = {"backward": 0, "no_sync": 0, "unscale_gradients": 0}
+
+    class CountingPrecision(FullPrecision):
+        def backward(self, loss, *args, **kwargs):
+            calls["backward"] += 1
+            super().backward(loss, *args, **kwargs)
+
+    class CountingStrategy(SingleProcess):
+        def no_sync(self, wrapped, skip_gradient_sync):
+            calls["no_sync"] += 1
+            return contextlib.nullcontext()
+
+    class CountingBackend(TrainerBackend):
+        def unscale_gradients(self, optimizers):
+            calls["unscale_gradients"] += 1
+
+    backend = CountingBackend(CountingStrategy(), CountingPrecision())
+    assert [backend.is_plain(c) for c in ("no_sync", "backward", "unscale_gradients", "step_optimizers")] == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    with pytest.raises(ValueError, match=r"is_plain\('forward'\).*'backward'.*'no_sync'.*'step_optimizers'.*'unscale_gradients'"):
+        backend.is_plain("forward")
+    register_backend("counting", lambda args: CountingBackend(CountingStrategy(), CountingPrecision()))
+    args = TrainerArguments(epochs=1, train_batch_size=16, backend="counting", output_dir=str(tmp_path), disable_tqdm=True)
+    trainer = Trainer(ToyModule(n_train=64), args)
+    trainer.train()
+    assert trainer.global_steps_finished == 4
+    assert calls == {"backward": 4, "no_sync": 4, "unscale_gradients": 4}

@@ -72,7 +72,7 @@ class TrainingStep:
         self._no_sync: Optional[Callable[..., Any]] = backend.no_sync
         self._backward: Callable[[torch.Tensor], None] = backend.backward
         self._unscale_gradients: Optional[Callable[..., None]] = backend.unscale_gradients
-        self._step_optimizers: Optional[Callable[..., bool]] = backend.step_optimizers
+        self._step_optimizers: Callable[..., bool] = backend.step_optimizers
         self._sync_every_batch = False  # a stream: its last micro-batch is not known ahead
         self._first_loss_checked = False
 
@@ -96,7 +96,7 @@ class TrainingStep:
         self._no_sync = None if plain("no_sync") else backend.no_sync
         self._backward = torch.Tensor.backward if plain("backward") else backend.backward
         self._unscale_gradients = None if plain("unscale_gradients") else backend.unscale_gradients
-        self._step_optimizers = None if plain("step_optimizers") else backend.step_optimizers
+        self._step_optimizers = backend.precision.step_optimizers if plain("step_optimizers") else backend.step_optimizers
 
     @property
     def uses_closure(self) -> bool:
@@ -215,12 +215,7 @@ class TrainingStep:
                 self._unscale_gradients(self._optimizers)
             if args.clip_grads or args.track_grad_norm or args.clip_grad_value is not None:
                 self.clip_gradients()
-        if self._step_optimizers is not None:
-            stepped = self._step_optimizers(self._optimizers, closure)
-        else:
-            for optimizer in self._optimizers:
-                optimizer.step(closure) if closure is not None else optimizer.step()
-            stepped = True
+        stepped = self._step_optimizers(self._optimizers, closure)
         if stepped and self._schedules.scheduled:
             try:
                 self._schedules.step_per_optimizer_step(self.progress.global_steps_finished + 1)

@@ -63,7 +63,6 @@ class LossTracker:
         self._logged_count = 0
         self._first_bad_step = torch.full((), _NO_STEP, dtype=torch.long, device=device)
         self._unchecked: List[Tuple[torch.Tensor, List[int]]] = []  # folded losses no finite read has covered yet
-        self._unchecked_count = 0
 
     def start_epoch(self) -> None:
         """Forget the previous epoch's sums."""
@@ -93,10 +92,9 @@ class LossTracker:
             losses = losses.reshape(len(self._unsummed), -1).mean(1)
         self._epoch_sum += losses.sum()
         self._unchecked.append((losses, self._unsummed_steps))
-        self._unchecked_count += len(self._unsummed_steps)
         self._unsummed = []
         self._unsummed_steps = []
-        if self._unchecked_count >= self._SEARCH_EVERY:
+        if sum(len(steps) for _, steps in self._unchecked) >= self._SEARCH_EVERY:
             self._search_unchecked()
 
     def _first_unchecked_bad_step(self) -> torch.Tensor:
@@ -109,14 +107,14 @@ class LossTracker:
 
     def _search_unchecked(self) -> None:
         self._first_bad_step = self._first_unchecked_bad_step()
-        self._unchecked, self._unchecked_count = [], 0
+        self._unchecked = []
 
     def after_read(self, value: float) -> None:
         """The mean just read back (:meth:`interval_mean` at a log point, :meth:`epoch_mean`,
         over every rank) was ``value``: finite, it proves every loss it covers finite; else
         the losses it covers are searched for the first non-finite one now."""
         if math.isfinite(value):
-            self._unchecked, self._unchecked_count = [], 0
+            self._unchecked = []
         else:
             self._search_unchecked()
 

@@ -88,6 +88,35 @@ def test_python_dash_m_framework_plot(tmp_path):
     assert matplotlib.image.imread(str(tmp_path / "metrics.png")).ndim == 3
 
 
+def test_drawing_leaves_the_users_matplotlib_alone(tmp_path):
+    """A notebook's backend and figures are not touched: the plot is a Figure of its own, drawn
+    without pyplot (which the trainer used to import, switching the backend to Agg)."""
+    write_run(tmp_path)
+    program = (
+        "import sys, matplotlib; matplotlib.use('svg'); import matplotlib.pyplot as plt; mine = plt.figure(); "
+        "from framework.metrics.plot import plot_metrics; plot_metrics(sys.argv[1]); "
+        "print(matplotlib.get_backend(), plt.get_fignums(), plt.gcf() is mine)"
+    )
+    result = subprocess.run([sys.executable, "-c", program, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["svg", "[1]", "True"]
+    assert matplotlib.image.imread(str(tmp_path / "metrics.png")).ndim == 3
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from framework.metrics.plot import plot_metrics; plot_metrics(sys.argv[1]); "
+            "print('matplotlib.pyplot' in sys.modules)",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout.split() == ["False"], result.stderr
+
+
 def test_a_run_draws_metrics_png_at_its_end_with_a_log_axis_for_losses(tmp_path, monkeypatch, framework_log):
     import matplotlib.figure
 

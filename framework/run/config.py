@@ -25,6 +25,7 @@ from framework.run.arguments import TrainerArguments
 from framework.run.class_path import apply_class_override, build_module, check_class_spec, is_class_override, is_class_spec
 from framework.run.config_convert import convert, plain, type_name
 from framework.run.run_identity import RUN_ID_KEY
+from framework.run.yaml_text import to_yaml
 
 DEFAULT_SECTIONS: Dict[str, Type] = {"trainer": TrainerArguments, "checkpointer": DefaultCheckpointerArguments}
 SHORTCUTS = {"backend": "trainer.backend"}
@@ -85,13 +86,11 @@ class RunConfig:
     def save(self, path: str, run_id: Optional[str] = None) -> None:
         """Write the resolved configuration as YAML (loadable with ``--config``), with the
         run's id first (``run_id``, which ``--config`` ignores: see framework/run/run_identity.py)."""
-        import yaml  # on first use: importing it costs more than the rest of the config code
-
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         data: Dict[str, Any] = {} if run_id is None else {RUN_ID_KEY: run_id}
         data.update(self.to_dict())
-        with open(path, "w") as handle:
-            yaml.safe_dump(data, handle, sort_keys=False)
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(to_yaml(data))  # without importing PyYAML (~15 ms in a fresh process)
 
 
 def resolved_config(args: TrainerArguments) -> RunConfig:
@@ -168,10 +167,8 @@ def parse_config(
         exit_on_error = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--print_config" in argv:  # as LightningCLI: the resolved config as YAML (loadable with --config), then exit
-        import yaml
-
         config = _build_or_exit(classes, [arg for arg in argv if arg != "--print_config"], program, exit_on_error)
-        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        print(to_yaml(config.to_dict()), end="")
         raise SystemExit(0)
     if "-h" in argv or "--help" in argv:
         rest = [arg for arg in argv if arg not in ("-h", "--help")]

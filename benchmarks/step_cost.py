@@ -294,8 +294,10 @@ def time_fresh(rounds: int, epochs: int) -> None:
 def count_instructions(epochs: Sequence[int], parallel: int = 2) -> Dict[str, float]:
     """CPU instructions per step of the raw loop and the framework (quiet, defaults without the
     end-of-run plot), each run a fresh ``fresh_process.py`` child under valgrind's cachegrind
-    (``--cache-sim=no``: instructions only), long run minus short run. Deterministic to about
-    0.05% between calls, where timers move by 1-10%; each run takes about a minute."""
+    (``--cache-sim=no``: instructions only), long run minus short run, with one OpenMP/BLAS
+    thread (an idle BLAS worker spinning under valgrind added up to 80,000 instructions a step)
+    and a fixed string-hash seed (a random one moves dict probing by about 10,000 a step).
+    Timers move by 1-10% between calls; each run takes about a minute."""
     import re
     import shutil
     import subprocess
@@ -304,7 +306,7 @@ def count_instructions(epochs: Sequence[int], parallel: int = 2) -> Dict[str, fl
 
     if shutil.which("valgrind") is None:
         raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
-    environment = dict(user_environment(), FRAMEWORK_PLOT_METRICS="0")
+    environment = dict(user_environment(), FRAMEWORK_PLOT_METRICS="0", PYTHONHASHSEED="0")
     runs = [(name, epochs_) for name in ("raw", "quiet", "defaults") for epochs_ in epochs]
     totals: Dict[Any, int] = {}
     with tempfile.TemporaryDirectory() as folder:

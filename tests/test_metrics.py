@@ -15,7 +15,7 @@ from toy import ToyModule, toy_args
 import framework.metrics.recorder as recorder_module
 from framework import Trainer, TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
-from framework.metrics.collector import MetricCollector, reduce_metrics
+from framework.metrics.collector import MetricCollector, MetricNotLoggedOnEveryRank, reduce_metrics
 
 make_args = functools.partial(toy_args, train_batch_size=32)
 
@@ -248,6 +248,96 @@ def test_two_ranks_reduce_logged_values_across_ranks(tmp_path):
     assert history["r_min_epoch"] == [(8, 1.0)]
     # Validation: each rank saw 2 batches of 16 samples; sum over batches and ranks.
     assert history["val_rank_sum"] == [(8, 2 * 1.0 + 2 * 2.0)]
+
+
+class CountingMetric(torch.nn.Module):
+    """The torchmetrics protocol (update, compute, reset), counting its computes."""
+
+    def __init__(self, sync_on_compute: bool = True) -> None:
+        super().__init__()
+        self.sync_on_compute, self.computed = sync_on_compute, 0
+
+    def update(self, value):
+        pass
+
+    def compute(self):
+        self.computed += 1
+        return torch.tensor(1.0)
+
+    def reset(self):
+        pass
+
+
+def test_ranks_agree_on_metric_objects_before_any_compute():
+    def gather_from(*other_ranks):
+        return lambda names: [names, *other_ranks]
+
+    collector, synced, local = MetricCollector(), CountingMetric(), CountingMetric(sync_on_compute=False)
+    collector.log("acc", synced)
+    collector.log("local", local)
+    assert set(collector.pop_epoch(gather_from(["acc"]))) == {"acc", "local"}  # the other rank logged acc too
+    collector.log("acc", synced)
+    collector.log("local", local)
+    with pytest.raises(MetricNotLoggedOnEveryRank, match=r"'acc' not on rank\(s\) \[1\]; 'f1' not on rank\(s\) \[0\]"):
+        collector.pop_epoch(gather_from(["f1"]))
+    assert synced.computed == 1 and local.computed == 1  # no compute() once the ranks disagree
+
+
+class MetricOnOneRank(ToyModule):
+    """Logs a torchmetrics MeanMetric on one rank only: in training (rank 0), in validation
+    (rank 1), or one made with ``sync_on_compute=False`` (rank 0, allowed)."""
+
+    def __init__(self, where: str) -> None:
+        import torchmetrics
+
+        super().__init__(n_val=64)
+        self.where = where
+        self.mean = torchmetrics.MeanMetric(sync_on_compute=where != "unsynced")
+
+    def train_step(self, global_step, batch, device):
+        if self.where in ("train", "unsynced") and torch.distributed.get_rank() == 0:
+            self.mean.update(torch.tensor(float(global_step)))
+            self.log("rank0_mean", self.mean)
+        return super().train_step(global_step, batch, device)
+
+    def val_step(self, global_step, batch, device):
+        if self.where == "val" and torch.distributed.get_rank() == 1:
+            self.mean.update(torch.tensor(2.0))
+            self.log("rank1_val_mean", self.mean)
+        return super().val_step(global_step, batch, device)
+
+
+def _metric_on_one_rank(rank: int, out: str, where: str):
+    args = make_args(out, backend="ddp", ddp_timeout=60.0)
+    trainer = Trainer(MetricOnOneRank(where), args)
+    try:
+        trainer.train()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return "finished", trainer.history.latest("rank0_mean")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["train", "val"])
+def test_a_metric_object_logged_on_one_rank_stops_every_rank_with_its_name(tmp_path, where):
+    """Its compute() gathers from every rank, and the rank that never logged it went on to other
+    collectives: the ranks failed (or waited) in mismatched collectives. Every rank now raises,
+    naming it, before any compute()."""
+    results = run_ranks(_metric_on_one_rank, timeout=50, out=str(tmp_path), where=where)
+    name, absent = ("rank0_mean", [1]) if where == "train" else ("rank1_val_mean", [0])
+    for kind, message in results:
+        assert kind == "MetricNotLoggedOnEveryRank"
+        assert f"{name!r} not on rank(s) {absent}" in message and "sync_on_compute=False" in message
+    assert results[0] == results[1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_metric_object_that_does_not_sync_may_be_logged_on_one_rank(tmp_path):
+    results = run_ranks(_metric_on_one_rank, out=str(tmp_path), where="unsynced")
+    # rank 0's mean of global steps 0..7 (256 samples, 32 a step over both ranks), on every rank
+    assert results == [("finished", 3.5), ("finished", 3.5)]
 
 
 def test_the_loss_tracker_finds_the_first_nonfinite_step_only_when_a_read_was_not_finite():

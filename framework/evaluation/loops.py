@@ -95,7 +95,8 @@ class Evaluator:
                 suffix = f"/{key}" if key else ""
                 self.hooks.call(f"on_end_{stage.value}_epoch", global_step, *outputs, key=key)
                 loss_name = f"{stage.value}_loss"
-                to_reduce = {**{f"/{name}": logged for name, logged in collector.pop_epoch().items()}, **losses.pop_epoch()}
+                logged = collector.pop_epoch(self.backend.all_gather_object)  # ranks agree on Metric objects first
+                to_reduce = {**{f"/{name}": value for name, value in logged.items()}, **losses.pop_epoch()}
                 reduced = reduce_metrics(
                     to_reduce, self.backend.data_parallel_all_reduce, self.backend.device, self.backend.all_gather_object
                 )

@@ -264,11 +264,22 @@ class MetricCollector:
         values, self._step = self._step, {}
         return dict(sorted(values.items()))
 
-    def pop_epoch(self) -> Dict[str, Logged]:
+    def pop_epoch(self, all_gather_object: Optional[Callable[[Any], List[Any]]] = None) -> Dict[str, Logged]:
         """Epoch aggregates (name -> :class:`Logged`); clears them. A metric also logged
-        ``on_step`` is named ``<name>_epoch`` here (as ``train_loss`` / ``train_loss_epoch``)."""
+        ``on_step`` is named ``<name>_epoch`` here (as ``train_loss`` / ``train_loss_epoch``).
+
+        Args:
+            all_gather_object: with several ranks, the ranks' gather: they first agree on the
+                Metric objects whose ``compute()`` syncs over ranks (one object gather).
+
+        Raises:
+            MetricNotLoggedOnEveryRank: on every rank, when some rank did not log a Metric
+                object the others did (its ``compute()`` would wait for that rank forever).
+        """
         aggregates, self._epoch = self._epoch, {}
         objects, self._objects = self._objects, {}
+        if all_gather_object is not None:
+            _agree_on_synced_objects(objects, all_gather_object)
         result = {}
         for name, metric in sorted(objects.items()):  # the same order on every rank: compute() syncs
             value = metric.compute()
@@ -287,6 +298,32 @@ class MetricCollector:
 
 
 _METRIC_OBJECT = "Metric object"
+
+
+class MetricNotLoggedOnEveryRank(RuntimeError):
+    """A torchmetrics ``Metric`` that syncs over ranks was logged on some ranks and not others."""
+
+
+def _agree_on_synced_objects(objects: Mapping[str, Any], all_gather_object: Callable[[Any], List[Any]]) -> None:
+    """Raise :class:`MetricNotLoggedOnEveryRank` on every rank unless every rank logged the same
+    syncing Metric objects (``sync_on_compute``, torchmetrics' default; one that does not sync
+    may be logged on one rank alone)."""
+    synced = sorted(name for name, metric in objects.items() if getattr(metric, "sync_on_compute", True))
+    per_rank = all_gather_object(synced)
+    if all(names == synced for names in per_rank):
+        return
+    missing = {}
+    for name in sorted({name for names in per_rank for name in names}):
+        absent = [rank for rank, names in enumerate(per_rank) if name not in names]
+        if absent:
+            missing[name] = absent
+    described = "; ".join(f"{name!r} not on rank(s) {ranks}" for name, ranks in missing.items())
+    raise MetricNotLoggedOnEveryRank(
+        f"self.log(name, <Metric>) this epoch on some ranks only: {described}. A torchmetrics Metric's compute() "
+        "syncs its state over every rank, so the ranks that logged it would wait forever for the others. Log it on "
+        "every rank (also where a rank saw no batch: log it in on_end_*_epoch), or create it with "
+        "sync_on_compute=False to log per-rank values"
+    )
 
 
 def is_metric_object(value: Any) -> bool:

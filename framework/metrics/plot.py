@@ -96,7 +96,7 @@ def plot_metrics(
         plot_metrics("outputs/digits")
         'outputs/digits/metrics.png'
     """
-    try:  # a Figure of its own, not pyplot: no global backend switched, no pyplot import (a third of the time)
+    try:  # a Figure of its own, not pyplot: the user's backend and figures are left alone
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError as error:

@@ -79,7 +79,8 @@ class MetricRecorder:
             self.losses.after_read(value)
             self.record_train_loss("train_loss_epoch", value)
         outputs_hook()
-        self.record(self.reduce(self.collector.pop_epoch(), agree_on_names=True))
+        epoch_values = self.collector.pop_epoch(self.backend.all_gather_object)  # ranks agree on Metric objects first
+        self.record(self.reduce(epoch_values, agree_on_names=True))
 
     def record_train_loss(self, name: str, value: float) -> None:
         """Record a training loss read back from the device; a NaN/inf one ends the run (unless a

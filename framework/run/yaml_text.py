@@ -4,9 +4,10 @@ Importing PyYAML costs about 15 ms in a fresh process, most of a short run's fix
 resolved config is only plain values (``None``, booleans, numbers, strings, lists and
 mappings with string keys: :func:`framework.run.config_convert.plain`), which this writes
 in block style. A string is written plain only where it starts with a letter, ``_`` or ``/``,
-holds only letters, digits and ``_./-`` and is not a YAML 1.1 word (``yes``, ``off``, ``null``);
-every other string is double-quoted, so none reads back as another type; floats are written as PyYAML writes them (``1.0e-05``,
-``.inf``, ``.nan``), so ``yaml.safe_load`` returns exactly the values written.
+holds only letters, digits and ``_./-`` and is not a YAML 1.1 word (``yes``, ``off``,
+``null``); every other string is double-quoted, so none reads back as another type. Floats
+are written as PyYAML writes them (``1.0e-05``, ``.inf``, ``.nan``), so ``yaml.safe_load``
+returns exactly the values written.
 """
 
 import math

@@ -322,8 +322,8 @@ def _metric_on_one_rank(rank: int, out: str, where: str):
 @pytest.mark.parametrize("where", ["train", "val"])
 def test_a_metric_object_logged_on_one_rank_stops_every_rank_with_its_name(tmp_path, where):
     """Its compute() gathers from every rank, and the rank that never logged it went on to other
-    collectives: the ranks failed (or waited) in mismatched collectives. Every rank now raises,
-    naming it, before any compute()."""
+    collectives: every rank waited for the whole ddp_timeout (600 s by default) and then blamed a
+    stuck or dead rank. Every rank now raises at once, naming the metric, before any compute()."""
     results = run_ranks(_metric_on_one_rank, timeout=50, out=str(tmp_path), where=where)
     name, absent = ("rank0_mean", [1]) if where == "train" else ("rank1_val_mean", [0])
     for kind, message in results:

@@ -128,6 +128,9 @@ class FSDP(DDP):
             )
         broadcast_from_rank_zero(module)  # every rank then shards rank zero's weights, as DDP starts from them
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32 if self.param_dtype else None)
+        if self.param_dtype is not None:  # batch norms keep fp32 weights beside their fp32 running statistics
+            for norm in _batch_norms(target, units):
+                fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=self.reshard_after_forward)
         for unit in reversed(units):  # inner units before the blocks that contain them
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
@@ -272,6 +275,17 @@ class FSDP(DDP):
                 raise kind(f"rank {rank} cannot read it: {failure[0]}: {failure[1]}")
             if rank_sharded != sharded:
                 raise CorruptCheckpoint(f"rank {rank} sees {'a directory' if rank_sharded else 'no directory'} at {path}")
+
+
+def _batch_norms(module: torch.nn.Module, units: Sequence[torch.nn.Module]) -> "list[torch.nn.Module]":
+    """The batch norms in ``module`` with parameters, other than units themselves: under a bf16
+    ``param_dtype`` each is sharded as its own unit in full precision, as FSDP1 kept them (a bf16
+    weight beside fp32 running statistics is refused by the CPU kernel and by cuDNN)."""
+    return [
+        child
+        for child in module.modules()
+        if isinstance(child, torch.nn.modules.batchnorm._BatchNorm) and child.affine and not any(child is unit for unit in units)
+    ]
 
 
 def broadcast_from_rank_zero(module: torch.nn.Module) -> None:

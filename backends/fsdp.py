@@ -17,7 +17,7 @@ from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheck
 from backends.ddp import DDP
 from backends.environments import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
-from backends.units import module_units
+from backends.units import module_units, shard_groups
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +131,13 @@ class FSDP(DDP):
         if self.param_dtype is not None:  # batch norms keep fp32 weights beside their fp32 running statistics
             for norm in _batch_norms(target, units):
                 fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=self.reshard_after_forward)
-        for unit in reversed(units):  # inner units before the blocks that contain them
-            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
+        for group in shard_groups(units):  # inner units first; units with tied weights together
+            fully_shard(
+                group if len(group) > 1 else group[0],
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=self.reshard_after_forward,
+            )
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
         self.compile_units(target, units)  # after sharding: FSDP's hooks stay outside the compiled code
         logger.debug("rank %d: sharded %d unit(s) and the root over %d ranks", self.rank, len(units), mesh.size())

@@ -2,7 +2,7 @@
 
 import logging
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -53,6 +53,43 @@ def module_units(module: torch.nn.Module) -> List[torch.nn.Module]:
                 f"itself); got {type(unit).__name__}"
             )
     return units
+
+
+def shard_groups(units: List[torch.nn.Module]) -> List[List[torch.nn.Module]]:
+    """``units`` grouped so that units sharing a parameter (tied weights, as ALBERT ties its
+    layers) are sharded together (FSDP2 keeps a parameter in one group), in the order to shard
+    them: inner units before the units that contain them.
+
+    Example:
+        >>> first, second, third = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        >>> third.weight = first.weight
+        >>> [[unit is first, unit is third] for unit in shard_groups([first, second, third])[1]]
+        [[True, False], [False, True]]
+    """
+    owner: Dict[int, int] = {}  # parameter id -> the first group found holding it
+    parent = list(range(len(units)))
+
+    def root(index: int) -> int:
+        while parent[index] != index:
+            index = parent[index]
+        return index
+
+    for index, unit in enumerate(units):
+        nested = {id(p) for other in units if other is not unit and _contains(unit, other) for p in other.parameters()}
+        for parameter in unit.parameters():
+            if id(parameter) in nested:
+                continue  # sharded with the inner unit
+            first = owner.setdefault(id(parameter), index)
+            parent[root(index)] = root(first)
+    groups: Dict[int, List[int]] = {}
+    for index in range(len(units)):
+        groups.setdefault(root(index), []).append(index)
+    ordered = sorted(groups.values(), key=min, reverse=True)  # a group shards where its outermost unit would
+    return [[units[index] for index in members] for members in ordered]
+
+
+def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
+    return any(module is inner for module in outer.modules())
 
 
 def compile_units(module: torch.nn.Module, units: List[torch.nn.Module]) -> List[torch.nn.Module]:

@@ -288,6 +288,51 @@ def test_fsdp_amp_trains_batch_norm_in_fp32_as_ddp_amp_does(tmp_path):
         assert max_difference(ddp, fsdp) < 1e-3  # batch norm in fp32 on both sides, bf16 matmuls on both
 
 
+class TiedBlocks(torch.nn.Module):
+    """Two blocks (two FSDP units) sharing one weight, as ALBERT shares its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)])
+        self.blocks[1].weight = self.blocks[0].weight
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.embed(x))
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+class WithTiedBlocks(ToyModule):
+    def __init__(self) -> None:
+        super().__init__(n_train=64)
+        torch.manual_seed(0)
+        self.net = TiedBlocks()
+
+
+def tied_block_ranks(rank: int, out: str) -> dict:
+    dist.init_process_group("gloo")
+    results = {}
+    for backend in ("ddp", "fsdp"):
+        trainer = Trainer(WithTiedBlocks(), arguments(backend, os.path.join(out, backend)))
+        trainer.train()
+        results[backend] = full_weights(trainer)
+        results[f"{backend} tied"] = trainer.module.net.blocks[1].weight is trainer.module.net.blocks[0].weight
+    dist.destroy_process_group()
+    return results
+
+
+@pytest.mark.distributed
+def test_fsdp_shards_blocks_with_tied_weights_together_and_matches_ddp(tmp_path):
+    """FSDP2 refused the model ("shared with a parameter already managed by another FSDP group");
+    units sharing a parameter are now one group."""
+    for results in run_ranks(tied_block_ranks, out=str(tmp_path)):
+        assert results["fsdp tied"] and results["ddp tied"]
+        assert max_difference(results["ddp"], results["fsdp"]) < 1e-5
+
+
 def test_fsdp_amp_trains_in_bf16_with_fp32_master_weights_close_to_ddp_amp(tmp_path):
     results = run_ranks(mixed_precision_ranks, out=str(tmp_path))[0]
     assert results["fsdp-amp dtypes"] == ["torch.float32"]  # the sharded master weights stay fp32

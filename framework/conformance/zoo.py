@@ -1,7 +1,8 @@
 """The model shapes real users have, as conformance models: each cell of the matrix trains one.
 
 Every shape keeps :class:`~framework.conformance.models.KitNet`'s data, steps and head and
-changes only the body: buffers (float, integer, complex), tied and frozen weights, batch norm,
+changes only the body: buffers (float, integer, complex), tied weights (beside and across the
+blocks), frozen weights, batch norm,
 blocks in an ``nn.ModuleDict``, and an initialisation that differs on every rank. A new shape
 joins the matrix with ``@register_model("name")``.
 """
@@ -90,6 +91,30 @@ class WithTiedWeights(KitNet):
     def body(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.project_in(torch.tanh(self.blocks[0](x))))
         return torch.tanh(self.project_out(torch.tanh(self.blocks[1](h))))
+
+
+@register_model("tied-blocks")
+class WithTiedBlocks(KitNet):
+    """Two blocks sharing one weight (as ALBERT shares its layers): two sharding units holding
+    one parameter. The tensor-parallel plan splits only the first block, so the tie stays whole."""
+
+    expected_units = 3
+
+    def build(self) -> None:
+        self.blocks = torch.nn.ModuleList(
+            [torch.nn.Linear(FEATURES, WIDTH), torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)]
+        )
+        self.blocks[2].weight = self.blocks[1].weight
+
+    def invariants(self) -> List[Tuple[str, bool, str]]:
+        tied = self.blocks[2].weight is self.blocks[1].weight
+        return [("tied blocks", tied, "blocks 1 and 2 share one weight" if tied else "the tie was broken")]
+
+    def tensor_parallel_plan(self) -> Dict[str, Any]:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        return {"blocks.0": ColwiseParallel(output_layouts=Replicate())}
 
 
 @register_model("frozen")

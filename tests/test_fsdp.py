@@ -254,40 +254,6 @@ class NormedBlocks(torch.nn.Module):
         return self.head(x)
 
 
-class WithBatchNorm(ToyModule):
-    def __init__(self) -> None:
-        super().__init__(n_train=64)
-        torch.manual_seed(0)
-        self.net = NormedBlocks()
-
-
-def batch_norm_ranks(rank: int, out: str) -> dict:
-    dist.init_process_group("gloo")
-    results = {}
-    for backend in ("ddp-amp", "fsdp-amp"):
-        trainer = Trainer(WithBatchNorm(), arguments(backend, os.path.join(out, backend)))
-        trainer.train()
-        results[backend] = full_weights(trainer)
-        results[f"{backend} losses"] = trainer.history.values("train_loss")
-    dist.destroy_process_group()
-    return results
-
-
-@pytest.mark.distributed
-def test_fsdp_amp_trains_batch_norm_in_fp32_as_ddp_amp_does(tmp_path):
-    """bf16 parameters beside fp32 running statistics failed in the first forward ("expected
-    scalar type BFloat16 but found Float"); each batch norm is now its own fp32 unit."""
-    results = run_ranks(batch_norm_ranks, out=str(tmp_path))
-    for rank, ranks_results in enumerate(results):
-        fsdp, ddp = ranks_results["fsdp-amp"], ranks_results["ddp-amp"]
-        assert ranks_results["fsdp-amp losses"] == pytest.approx(ranks_results["ddp-amp losses"], rel=1e-3)
-        assert fsdp["net.blocks.0.1.running_mean"].abs().sum() > 0  # the statistics were updated
-        assert fsdp["net.blocks.1.1.weight"].dtype == torch.float32
-        if rank == 1:  # DDP broadcasts rank 0's running statistics every forward; FSDP keeps each rank's own
-            ddp, fsdp = ({name: t for name, t in side.items() if ".1.running_" not in name} for side in (ddp, fsdp))
-        assert max_difference(ddp, fsdp) < 1e-3  # batch norm in fp32 on both sides, bf16 matmuls on both
-
-
 class TiedBlocks(torch.nn.Module):
     """Two blocks (two FSDP units) sharing one weight, as ALBERT shares its layers."""
 
@@ -305,21 +271,28 @@ class TiedBlocks(torch.nn.Module):
         return self.head(x)
 
 
-class WithTiedBlocks(ToyModule):
-    def __init__(self) -> None:
+NETS = {"normed": NormedBlocks, "tied": TiedBlocks}
+
+
+class ToyWithNet(ToyModule):
+    def __init__(self, net: str) -> None:
         super().__init__(n_train=64)
         torch.manual_seed(0)
-        self.net = TiedBlocks()
+        self.net = NETS[net]()
 
 
-def tied_block_ranks(rank: int, out: str) -> dict:
+def paired_ranks(rank: int, out: str, net: str, backends: tuple) -> dict:
+    """Train ``ToyWithNet(net)`` with each backend in one process group: full weights, losses,
+    and whether every tied parameter is still one parameter."""
     dist.init_process_group("gloo")
     results = {}
-    for backend in ("ddp", "fsdp"):
-        trainer = Trainer(WithTiedBlocks(), arguments(backend, os.path.join(out, backend)))
+    for backend in backends:
+        trainer = Trainer(ToyWithNet(net), arguments(backend, os.path.join(out, backend)))
         trainer.train()
         results[backend] = full_weights(trainer)
-        results[f"{backend} tied"] = trainer.module.net.blocks[1].weight is trainer.module.net.blocks[0].weight
+        results[f"{backend} losses"] = trainer.history.values("train_loss")
+        names = list(trainer.module.named_parameters(remove_duplicate=False))
+        results[f"{backend} parameters"] = (len(list(trainer.module.parameters())), len(names))
     dist.destroy_process_group()
     return results
 
@@ -328,8 +301,8 @@ def tied_block_ranks(rank: int, out: str) -> dict:
 def test_fsdp_shards_blocks_with_tied_weights_together_and_matches_ddp(tmp_path):
     """FSDP2 refused the model ("shared with a parameter already managed by another FSDP group");
     units sharing a parameter are now one group."""
-    for results in run_ranks(tied_block_ranks, out=str(tmp_path)):
-        assert results["fsdp tied"] and results["ddp tied"]
+    for results in run_ranks(paired_ranks, out=str(tmp_path), net="tied", backends=("ddp", "fsdp")):
+        assert results["fsdp parameters"] == results["ddp parameters"] == (7, 8)  # 8 names, 7 parameters: still tied
         assert max_difference(results["ddp"], results["fsdp"]) < 1e-5
 
 

@@ -284,8 +284,8 @@ class FSDP(DDP):
 
 def _batch_norms(module: torch.nn.Module, units: Sequence[torch.nn.Module]) -> "list[torch.nn.Module]":
     """The batch norms in ``module`` with parameters, other than units themselves: under a bf16
-    ``param_dtype`` each is sharded as its own unit in full precision, as FSDP1 kept them (a bf16
-    weight beside fp32 running statistics is refused by the CPU kernel and by cuDNN)."""
+    ``param_dtype`` each is sharded as its own unit in full precision, as FSDP1 kept them (PyTorch's
+    CPU kernel refuses a bf16 weight beside fp32 running statistics; the CUDA path is untested here)."""
     return [
         child
         for child in module.modules()

@@ -66,7 +66,7 @@ def shard_groups(units: List[torch.nn.Module]) -> List[List[torch.nn.Module]]:
         >>> [[unit is first, unit is third] for unit in shard_groups([first, second, third])[1]]
         [[True, False], [False, True]]
     """
-    owner: Dict[int, int] = {}  # parameter id -> the first group found holding it
+    owner: Dict[int, int] = {}  # parameter id -> index of the first unit found holding it
     parent = list(range(len(units)))
 
     def root(index: int) -> int:

@@ -18,7 +18,13 @@ Cell = Tuple[str, str]
 """(feature, model)."""
 
 KNOWN_SEAMS: List[Tuple[str, str, str, str]] = [
-    # e.g. ("ema", "*", "fsdp*@2", "issue 31: EMA under fsdp ..."): none today (seams-eval and seams-shapes landed)
+    (
+        "manual",
+        "tied",
+        "fsdp-amp@2",
+        "issue to file (found by --all; stop 37 closing note): fsdp-amp's manual steps drift from sp-amp 10x more than its "
+        "automatic ones (mlp 0.022, tied 0.061 against 0.0017; ddp-amp 0.0009, fsdp-bf16 0.0039); not explained",
+    ),
 ]
 """Cells known to fail on today's main, each with the issue that tracks the fix:
 (feature pattern, model pattern, backend pattern, reason); ``fnmatch`` patterns, alternatives

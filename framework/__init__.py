@@ -12,6 +12,7 @@ from framework.data.rng import seed_everything
 from framework.data.sample_randomness import sample_generator, sample_seed
 from framework.loop.stage import Stage
 from framework.loop.trainer import Trainer
+from framework.metrics.collector import MetricNotLoggedOnEveryRank
 from framework.metrics.loss_tracker import TrainingDiverged
 from framework.module import ModuleInterface
 from framework.run.arguments import TrainerArguments
@@ -35,6 +36,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
+    "MetricNotLoggedOnEveryRank",
     "ModuleInterface",
     "Stage",
     "Trainer",

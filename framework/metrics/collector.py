@@ -301,7 +301,15 @@ _METRIC_OBJECT = "Metric object"
 
 
 class MetricNotLoggedOnEveryRank(RuntimeError):
-    """A torchmetrics ``Metric`` that syncs over ranks was logged on some ranks and not others."""
+    """A torchmetrics ``Metric`` that syncs over ranks was logged on some ranks and not others;
+    raised on every rank at the epoch's end, before any ``compute()``.
+
+    Example:
+        try:
+            trainer.train()
+        except MetricNotLoggedOnEveryRank as error:
+            print(error)  # names the metric and the ranks that did not log it
+    """
 
 
 def _agree_on_synced_objects(objects: Mapping[str, Any], all_gather_object: Callable[[Any], List[Any]]) -> None:

@@ -10,16 +10,25 @@ same directory) cannot protect against that: whoever rewrites one rewrites the o
 ``torch.Size``, dtypes, layouts and paths. Anything else (``os.system``, ``builtins.open``,
 ``builtins.eval``...) is refused before it is called, as ``torch.load(weights_only=True)``
 refuses it for tensors. The readers :func:`safe_reader` returns read the index this way.
+
+An index made only of those classes can still mislead: an entry declared ``BytesStorageMetadata``
+makes DCP's default planner ``torch.load(..., weights_only=False)`` its bytes, and a
+``relative_path`` may name ``../another-checkpoint/...`` or an absolute path. :func:`check_index`
+refuses every entry but a tensor the framework wrote, every file name but a plain one inside the
+checkpoint directory, and every chunk, offset or length outside its tensor or its file.
 """
 
 import io
 import pathlib
 import pickle
-from typing import Any, BinaryIO, Callable, Dict, Tuple
+import re
+from typing import Any, BinaryIO, Callable, Collection, Dict, Mapping, Tuple
 
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from backends.checkpoint_io import CorruptCheckpoint
 
 INDEX_CLASSES: Dict[Tuple[str, str], Any] = {
     **{
@@ -117,3 +126,119 @@ def safe_fsspec_reader(url: str) -> Any:
         pass
 
     return SafeFsspecReader(url)
+
+
+PLAIN_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")
+"""A file the index may name: a plain name inside the checkpoint directory (no separator, no ``..``, not hidden)."""
+
+
+def check_index(metadata: Any, tensor_keys: Collection[str], file_sizes: Mapping[str, int], budget: int) -> None:
+    """Refuse an index (read by :func:`read_index`) that asks for anything but the tensors the framework wrote.
+
+    Args:
+        metadata: DCP's ``Metadata``.
+        tensor_keys: the keys written as tensors (the ``{"__sharded__": key}`` markers of ``state.pt``).
+        file_sizes: the plain files in the checkpoint directory and their sizes in bytes.
+        budget: how many chunks and entries may be visited (the index's size in bytes: shared references
+            in a pickle cannot make the walk longer than the file).
+
+    Raises:
+        CorruptCheckpoint: naming the first entry that is not a tensor the framework wrote, a chunk outside
+            its tensor, a storage entry naming a file that is not a plain name in the directory, or an
+            offset or length outside that file (resuming skips such a checkpoint, as a damaged one).
+
+    Example:
+        >>> from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+        >>> check_index(Metadata({"module/w": BytesStorageMetadata()}), {"module/w"}, {}, 100)
+        Traceback (most recent call last):
+        ...
+        backends.checkpoint_io.CorruptCheckpoint: index entry 'module/w' is a BytesStorageMetadata, not a tensor: \
+refused (DCP would unpickle its bytes with weights_only=False)
+    """
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict) or len(entries) > budget:
+        raise CorruptCheckpoint(f"the index's entries are a {type(entries).__name__} of {_count(entries)}, not a dict of tensors")
+    unknown = [key for key in entries if key not in tensor_keys]
+    if unknown:
+        raise CorruptCheckpoint(f"index entry {_short(unknown[0])} was not written as a tensor by the framework: refused")
+    absent = [key for key in tensor_keys if key not in entries]
+    if absent:
+        raise CorruptCheckpoint(f"the index lacks the tensor {_short(absent[0])} that state.pt names")
+    for key, entry in entries.items():
+        if not isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            raise CorruptCheckpoint(
+                f"index entry {_short(key)} is a {type(entry).__name__}, not a tensor: refused "
+                "(DCP would unpickle its bytes with weights_only=False)"
+            )
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        raise CorruptCheckpoint(f"the index's storage_data is a {type(storage).__name__}, not a dict")
+    stored: Dict[Tuple[str, Tuple[int, ...]], int] = {}
+    for index, info in storage.items():
+        where = f"storage entry {_short(getattr(index, 'fqn', index))}"
+        if not isinstance(index, dcp_metadata.MetadataIndex) or not isinstance(info, dcp_filesystem._StorageInfo):
+            raise CorruptCheckpoint(f"{where} is a {type(info).__name__}, not DCP's _StorageInfo")
+        name = info.relative_path
+        if not isinstance(name, str) or not PLAIN_FILE_NAME.match(name):
+            raise CorruptCheckpoint(
+                f"{where} names the file {_short(name)}: refused (only a plain file name inside the checkpoint directory)"
+            )
+        if name not in file_sizes:
+            raise CorruptCheckpoint(f"{where} names {name!r}, which is not in the checkpoint directory")
+        if info.transform_descriptors:
+            transforms = _short(info.transform_descriptors)
+            raise CorruptCheckpoint(f"{where} asks for transforms {transforms}, which the framework never writes")
+        offset, length = info.offset, info.length
+        if not (_natural(offset) and _natural(length) and offset + length <= file_sizes[name]):
+            raise CorruptCheckpoint(
+                f"{where}: bytes {_short(offset)}+{_short(length)} lie outside {name!r} ({file_sizes[name]} bytes)"
+            )
+        stored[(index.fqn, tuple(index.offset or ()))] = length
+    visited = 0
+    for key, entry in entries.items():
+        shape, dtype = entry.size, getattr(entry.properties, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not (isinstance(shape, tuple) and all(_natural(d) for d in shape)):
+            raise CorruptCheckpoint(f"index entry {_short(key)} has no valid shape and dtype ({_short(shape)}, {_short(dtype)})")
+        visited += len(entry.chunks) + 1
+        if visited > budget:
+            raise CorruptCheckpoint(f"the index names more chunks than its {budget} bytes can hold (shared references)")
+        elements, stored_bytes = 0, 0
+        for chunk in entry.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if not (
+                len(offsets) == len(sizes) == len(shape)
+                and all(_natural(o) and _natural(s) and o + s <= d for o, s, d in zip(offsets, sizes, shape))
+            ):
+                raise CorruptCheckpoint(
+                    f"index entry {_short(key)}: chunk at {_short(offsets)} of {_short(sizes)} lies outside {tuple(shape)}"
+                )
+            if (key, offsets) not in stored:
+                raise CorruptCheckpoint(f"index entry {_short(key)}: its chunk at {offsets} is stored nowhere")
+            elements += _numel(sizes)
+            stored_bytes += stored[(key, offsets)]
+        if elements != _numel(shape) or elements * dtype.itemsize > stored_bytes:
+            raise CorruptCheckpoint(
+                f"index entry {_short(key)}: its chunks hold {elements} elements in {stored_bytes} bytes, "
+                f"not the {_numel(shape)} of {tuple(shape)} {dtype}"
+            )
+
+
+def _natural(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _numel(shape: Tuple[int, ...]) -> int:
+    total = 1
+    for dimension in shape:
+        total *= dimension
+    return total
+
+
+def _count(value: Any) -> str:
+    return f"{len(value)} items" if hasattr(value, "__len__") else "?"
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, at most 120 characters (an index may hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

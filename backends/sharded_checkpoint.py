@@ -21,14 +21,16 @@ look: a rank that wrote onto another node's own disk is caught here), then write
 ``state.pt``, renames the directory into place and writes ``.complete``. A shard missing is
 an error (:class:`ShardsMissing`): the checkpoint stays ``.partial``, never marked complete.
 
-Safety: DCP unpickles ``.metadata`` with plain ``pickle``; here it is read by
-:class:`~backends.dcp_index.IndexUnpickler`, which admits only the classes a DCP index is made
-of, so a hostile index is refused (:class:`~backends.checkpoint_io.CheckpointRefused`) before
-anything in it is called, whatever digest ``state.pt`` holds. The digest of ``.metadata`` in
-``state.pt`` only detects damage: a mismatch is a damaged checkpoint
-(:class:`~backends.checkpoint_io.CorruptCheckpoint`), skipped for an older one. Every error DCP
-raises while reading (its ``CheckpointException`` is a ``BaseException``) is reported as
-:class:`~backends.checkpoint_io.CorruptCheckpoint`.
+Safety: every read goes through :mod:`backends.dcp_reader`, the one reader: ``.metadata`` is
+unpickled by :class:`~backends.dcp_index.IndexUnpickler` (only DCP's index classes: a hostile
+index is :class:`~backends.checkpoint_io.CheckpointRefused` before anything in it is called),
+then only tensor entries for the keys ``state.pt`` names, plain file names inside the directory
+and offsets inside those files are admitted, and every file must match the SHA-256 recorded in
+``state.pt`` (``"sharded": {"metadata_sha256", "files_sha256"}``); DCP reads with a planner that
+refuses anything but tensors. Anything else is a damaged checkpoint
+(:class:`~backends.checkpoint_io.CorruptCheckpoint`, naming the entry), skipped for an older one.
+Every error DCP raises while reading (its ``CheckpointException`` is a ``BaseException``) is
+reported as :class:`~backends.checkpoint_io.CorruptCheckpoint`.
 """
 
 import contextlib
@@ -43,8 +45,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, file_digest
-from backends.dcp_index import SafeFileSystemReader, UnsafeIndex, read_index, safe_fsspec_reader
+from backends import dcp_reader
+from backends.checkpoint_io import CheckpointIO, CorruptCheckpoint, file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +179,10 @@ def prepare_save(
             return
         # Rank zero: DCP has gathered every rank's result; every shard must be where readers look.
         _confirm_shards(fs, partial, metadata)
-        rest[DIGEST_KEY] = {"metadata_sha256": file_digest(fs.unstrip_protocol(posixpath.join(partial, INDEX_FILE)))}
+        rest[DIGEST_KEY] = {
+            "metadata_sha256": file_digest(fs.unstrip_protocol(posixpath.join(partial, INDEX_FILE))),
+            "files_sha256": dcp_reader.shard_digests(fs, partial, metadata),
+        }
         io.write(fs.unstrip_protocol(posixpath.join(partial, STATE_FILE)), rest)
         fs.invalidate_cache()  # the other ranks wrote their shards: no listing of before
         if fs.exists(final):  # the same step saved again (e.g. the final save after a step save)
@@ -211,9 +216,10 @@ def load(
     """
     fs, directory = fsspec.core.url_to_fs(path)
     directory = directory.rstrip("/")
-    rest = _verified_state(fs, directory, path, io)
+    rest, metadata = _verified_state(fs, directory, path, io)
     paths = marker_paths(rest)
-    reader = _reader(fs, directory, io.weights_only)
+    reader = dcp_reader.reader(fs, directory, metadata)  # serves the checked index, reads tensors only
+    planner = dcp_reader.TensorOnlyPlanner
     if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
         initialize_optimizer_state(optimizers)
     available = split_sharded(target())[0] if target is not None else {}
@@ -224,21 +230,18 @@ def load(
             f"{' ...' if len(missing) > 5 else ''}; load it into the same model"
         )
     if target is not None:
-        _check_shapes(reader, {key: available[key] for key in paths if key in available}, fs.unstrip_protocol(directory))
+        _check_shapes(metadata, {key: available[key] for key in paths if key in available}, fs.unstrip_protocol(directory))
     try:
         with _single_process_quietly():
             if target is None:  # full tensors, sized from the DCP index
-                metadata = reader.read_metadata()
                 targets = {}
-                for key in paths:
-                    entry = metadata.state_dict_metadata.get(key)
-                    if not isinstance(entry, TensorStorageMetadata):
-                        raise CorruptCheckpoint(f"{key} is not a tensor in the checkpoint's index")
+                for key in paths:  # every one a tensor entry whose chunks lie in the files (checked)
+                    entry = metadata.state_dict_metadata[key]
                     targets[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
-                dcp.load(targets, storage_reader=reader, no_dist=True)
+                dcp.load(targets, storage_reader=reader, planner=planner(), no_dist=True)
             else:
                 targets = {key: available[key] for key in paths if key in available}
-                dcp.load(targets, storage_reader=reader, no_dist=not distributed)
+                dcp.load(targets, storage_reader=reader, planner=planner(), no_dist=not distributed)
     except CorruptCheckpoint:
         raise
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
@@ -262,8 +265,8 @@ def verify(path: str, io: CheckpointIO) -> None:
     _verified_state(fs, directory.rstrip("/"), path, io)
 
 
-def _verified_state(fs: Any, directory: str, path: str, io: CheckpointIO) -> Dict[str, Any]:
-    """``state.pt`` of a finished checkpoint whose index is the one written with it."""
+def _verified_state(fs: Any, directory: str, path: str, io: CheckpointIO) -> Tuple[Dict[str, Any], Any]:
+    """``(state.pt, index)`` of a finished checkpoint whose index and shards passed :func:`dcp_reader.validated_index`."""
     fs.invalidate_cache()  # written by other processes: never a cached listing
     if not fs.isdir(directory):
         raise FileNotFoundError(f"sharded checkpoint directory {path!r} does not exist")
@@ -275,8 +278,11 @@ def _verified_state(fs: Any, directory: str, path: str, io: CheckpointIO) -> Dic
         raise CorruptCheckpoint(f"its {STATE_FILE} is missing") from error
     if not isinstance(rest, dict):
         raise CorruptCheckpoint(f"{STATE_FILE} is not a sharded checkpoint's state")
-    _check_index(fs, directory, rest, io)
-    return rest
+    recorded = rest.get(DIGEST_KEY, {})  # written before digests were recorded: checked without them
+    if not isinstance(recorded, dict):
+        raise CorruptCheckpoint(f"{STATE_FILE}'s {DIGEST_KEY!r} record is a {type(recorded).__name__}, not a dict")
+    metadata = dcp_reader.validated_index(fs, directory, marker_paths(rest), recorded, restricted=io.weights_only)
+    return rest, metadata
 
 
 def _confirm_shards(fs: Any, directory: str, metadata: Any) -> None:
@@ -299,46 +305,14 @@ def _confirm_shards(fs: Any, directory: str, metadata: Any) -> None:
         )
 
 
-def _check_index(fs: Any, directory: str, rest: Dict[str, Any], io: CheckpointIO) -> None:
-    """Refuse a ``.metadata`` that is damaged (its digest differs from the one in ``state.pt``) or
-    that names anything but DCP's index classes (read by :class:`~backends.dcp_index.IndexUnpickler`)."""
-    index = posixpath.join(directory, INDEX_FILE)
-    expected = rest.get(DIGEST_KEY, {}).get("metadata_sha256") if isinstance(rest.get(DIGEST_KEY), dict) else None
-    try:
-        actual = file_digest(fs.unstrip_protocol(index))
-    except FileNotFoundError as error:
-        raise CorruptCheckpoint(f"its index {INDEX_FILE} is missing") from error
-    if expected is not None and actual != expected:
-        raise CorruptCheckpoint(
-            f"its index {INDEX_FILE} does not match the digest saved with the checkpoint (damaged or replaced); "
-            "it was not unpickled"
-        )
-    if not io.weights_only:
-        return  # trusted: DCP's own reader unpickles it
-    try:
-        with fs.open(index, "rb") as handle:
-            read_index(handle)
-    except UnsafeIndex as error:
-        raise CheckpointRefused(
-            f"{fs.unstrip_protocol(directory)}: its DCP index {INDEX_FILE} is not a plain DCP index: {error}; refusing "
-            "to load it (nothing in it was called). If you wrote it and trust it, set checkpointer_args.weights_only=False"
-        ) from error
-    except Exception as error:  # truncated or garbled: damaged
-        raise CorruptCheckpoint(f"its index {INDEX_FILE} is unreadable ({type(error).__name__}: {error})") from error
-
-
-def _check_shapes(reader: Any, targets: Dict[str, torch.Tensor], where: str) -> None:
+def _check_shapes(metadata: Any, targets: Dict[str, torch.Tensor], where: str) -> None:
     """Refuse a checkpoint whose tensors have other (global) shapes than this run's: another model.
 
     Raises:
         ValueError: naming the first tensors whose shapes differ (never :class:`CorruptCheckpoint`:
             the checkpoint is intact, and an older one would not fit either).
     """
-    try:
-        with _single_process_quietly():
-            entries = reader.read_metadata().state_dict_metadata
-    except Exception:  # an unreadable index is reported by the load itself
-        return
+    entries = metadata.state_dict_metadata
     differing = [
         f"{key} {tuple(entries[key].size)} in the checkpoint, {tuple(tensor.shape)} in this run"
         for key, tensor in targets.items()
@@ -395,14 +369,3 @@ def _writer(fs: Any, path: str) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # not exported by the package in torch 2.13
 
     return FsspecWriter(fs.unstrip_protocol(path))
-
-
-def _reader(fs: Any, path: str, safe: bool = True) -> Any:
-    """DCP's reader for ``path``; ``safe``: its index read by :class:`~backends.dcp_index.IndexUnpickler`."""
-    if _is_local(fs):
-        return SafeFileSystemReader(path) if safe else dcp.FileSystemReader(path)
-    if safe:
-        return safe_fsspec_reader(fs.unstrip_protocol(path))
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    return FsspecReader(fs.unstrip_protocol(path))

@@ -243,7 +243,7 @@ def test_damaged_sharded_checkpoints_are_skipped_and_the_run_ends_as_an_uninterr
     out, (rank0, rank1) = runs
     assert rank0["resumed_from"].endswith(checkpoint_name(1, "")) and rank1["resumed_from"] == rank0["resumed_from"]
     shard, truncated, hostile = rank0["skipped"]
-    assert checkpoint_name(4, "") in shard and "could not read it" in shard
+    assert checkpoint_name(4, "") in shard and "names '__1_0.distcp', which is not in the checkpoint directory" in shard
     assert checkpoint_name(3, "") in truncated and ".metadata does not match the digest" in truncated
     assert checkpoint_name(2, "") in hostile and ".metadata does not match the digest" in hostile
     assert not os.path.exists(os.path.join(out, "pickle-ran"))  # the hostile index was never unpickled

@@ -9,10 +9,15 @@ whole meanwhile), then removes the previous index, moves the shards into place a
 its index last. A process killed at any point leaves the previous export, no export (no
 index), or the new one, never a mix.
 
-Damage is detected: every file the framework writes carries the SHA-256 of its tensor bytes
-in its safetensors header (``__metadata__["sha256"]``), and a sharded index the SHA-256 of
-every shard file (``metadata["sha256"]``); :func:`load_safetensors` checks both when present
-(files written elsewhere carry none and load as they are).
+Damage is detected: every file the framework writes carries in its safetensors header the
+SHA-256 of its header (less that field) and tensor bytes together (``__metadata__["sha256_with_header"]``:
+a dtype or shape edited in the header is caught) and, for older readers, of its tensor bytes alone
+(``__metadata__["sha256"]``); a sharded index carries the SHA-256 of every shard file
+(``metadata["sha256"]``). :func:`load_safetensors` checks them when present (files written
+elsewhere carry none and load as they are; files written before ``sha256_with_header`` have
+their tensor bytes checked). A header or index larger than :data:`JSON_LIMIT` bytes or nested
+deeper than :data:`JSON_DEPTH`, a shard named by anything but a plain file name beside its index,
+or a file too short for its header is refused (:class:`CorruptCheckpoint`) before it is parsed.
 """
 
 import hashlib
@@ -32,6 +37,12 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 ShardSize = Union[int, str, None]
+JSON_LIMIT = 100 * 2**20
+"""The largest safetensors header or sharded index read (bytes; safetensors' own header limit)."""
+JSON_DEPTH = 8
+"""The deepest nesting of ``[``/``{`` admitted in a header or an index (the format needs 3)."""
+DIGEST_FIELD = "sha256_with_header"
+PLAIN_SHARD = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors$")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -129,10 +140,22 @@ def load_safetensors(path: str) -> Tuple[str, Dict[str, torch.Tensor]]:
     if not target.endswith(INDEX_SUFFIX):
         with fs.open(target, "rb") as handle:
             return fs.unstrip_protocol(target), decode(handle.read(), fs.unstrip_protocol(target))
+    where = fs.unstrip_protocol(target)
+    if fs.size(target) > JSON_LIMIT:
+        raise CorruptCheckpoint(f"{where}: the index is {fs.size(target)} bytes, more than {JSON_LIMIT}: refused")
     with fs.open(target, "rb") as handle:
-        index = json.load(handle)
-    weight_map: Dict[str, str] = index["weight_map"]
-    recorded = (index.get("metadata") or {}).get("sha256") or {}
+        index = bounded_json(handle.read(), f"{where}: the index")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    metadata = index.get("metadata") if isinstance(index, dict) else None
+    recorded = (metadata.get("sha256") if isinstance(metadata, dict) else None) or {}
+    if not isinstance(weight_map, dict) or not isinstance(recorded, dict):
+        raise CorruptCheckpoint(f"{where}: not a safetensors index (a 'weight_map' of tensor name -> shard file)")
+    for key, shard_name in weight_map.items():
+        if not (isinstance(shard_name, str) and PLAIN_SHARD.match(shard_name)):
+            raise CorruptCheckpoint(
+                f"{where}: weight_map[{str(key)[:100]!r}] names {str(shard_name)[:100]!r}: refused (only a plain "
+                f"*{SUFFIX} file name beside the index)"
+            )
     directory = target.rpartition("/")[0]
     state: Dict[str, torch.Tensor] = {}
     for shard_name in dict.fromkeys(weight_map.values()):
@@ -188,34 +211,88 @@ def encode(tensors: Dict[str, torch.Tensor]) -> bytes:
         >>> decode(data, "w.safetensors")["w"]
         tensor([1., 1.])
         >>> flipped = data[:-1] + bytes([data[-1] ^ 1])
-        >>> decode(flipped, "w.safetensors")
+        >>> decode(flipped, "w.safetensors")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        backends.checkpoint_io.CorruptCheckpoint: w.safetensors: its tensor bytes do not match the SHA-256 in its header (damaged)
+        backends.checkpoint_io.CorruptCheckpoint: w.safetensors: its header and tensor bytes do not match the SHA-256 ...
     """
     from safetensors.torch import save
 
     body = _tensor_bytes(save(tensors))  # the tensor bytes do not depend on the header's metadata
-    return save(tensors, metadata={"format": "pt", "sha256": hashlib.sha256(body).hexdigest()})
+    metadata = {"format": "pt", "sha256": hashlib.sha256(body).hexdigest()}
+    first = save(tensors, metadata=metadata)
+    header = json.loads(first[8 : 8 + int.from_bytes(first[:8], "little")])
+    return save(tensors, metadata={**metadata, DIGEST_FIELD: _whole_digest(header, body)})
 
 
 def decode(data: bytes, where: str) -> Dict[str, torch.Tensor]:
     """The tensors in safetensors ``data`` (read from ``where``), checked against the SHA-256 in its header if any.
 
     Raises:
-        CorruptCheckpoint: the tensor bytes differ from the recorded SHA-256.
+        CorruptCheckpoint: the header or the tensor bytes differ from the recorded SHA-256; the file is
+            shorter than its header says; the header is larger than :data:`JSON_LIMIT` or nested deeper
+            than :data:`JSON_DEPTH`; safetensors cannot read it.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
-    header_size = int.from_bytes(data[:8], "little")
-    try:
-        metadata = json.loads(data[8 : 8 + header_size]).get("__metadata__") or {}
-    except ValueError as error:
-        raise CorruptCheckpoint(f"{where}: its safetensors header is unreadable ({error})") from error
-    expected = metadata.get("sha256")
-    if expected is not None and hashlib.sha256(_tensor_bytes(data)).hexdigest() != expected:
+    header_size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 <= header_size <= min(len(data) - 8, JSON_LIMIT):
+        raise CorruptCheckpoint(
+            f"{where}: {len(data)} bytes, too short for its safetensors header ({header_size} bytes; at most "
+            f"{JSON_LIMIT} admitted): truncated or not a safetensors file"
+        )
+    header = bounded_json(data[8 : 8 + header_size], f"{where}: its safetensors header")
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    metadata = metadata if isinstance(metadata, dict) else {}
+    if DIGEST_FIELD in metadata:
+        if _whole_digest(header, _tensor_bytes(data)) != metadata[DIGEST_FIELD]:
+            raise CorruptCheckpoint(f"{where}: its header and tensor bytes do not match the SHA-256 in its header (damaged)")
+    elif metadata.get("sha256") is not None and hashlib.sha256(_tensor_bytes(data)).hexdigest() != metadata["sha256"]:
         raise CorruptCheckpoint(f"{where}: its tensor bytes do not match the SHA-256 in its header (damaged)")
-    return load(data)
+    try:
+        return load(data)
+    except SafetensorError as error:
+        raise CorruptCheckpoint(f"{where}: safetensors cannot read it ({str(error)[:200]})") from error
+
+
+def bounded_json(data: bytes, what: str) -> Any:
+    """``json.loads(data)``, refused first when nested deeper than :data:`JSON_DEPTH` (no ``RecursionError``).
+
+    Raises:
+        CorruptCheckpoint: naming ``what``: nested too deep, or not JSON.
+
+    Example:
+        >>> bounded_json(b'{"a": [1, 2]}', "header")
+        {'a': [1, 2]}
+        >>> bounded_json(b"[" * 100000 + b"]" * 100000, "header")
+        Traceback (most recent call last):
+        ...
+        backends.checkpoint_io.CorruptCheckpoint: header is nested deeper than 8 levels: refused
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CorruptCheckpoint(f"{what} is not UTF-8 JSON ({error})") from error
+    depth = deepest = 0
+    for bracket in re.findall(r"[\[\]{}]", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+        if deepest > JSON_DEPTH:
+            raise CorruptCheckpoint(f"{what} is nested deeper than {JSON_DEPTH} levels: refused")
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise CorruptCheckpoint(f"{what} is unreadable ({str(error)[:200]})") from error
+
+
+def _whole_digest(header: Dict[str, Any], body: bytes) -> str:
+    """SHA-256 of ``header`` (less :data:`DIGEST_FIELD`, keys sorted) and then ``body``."""
+    metadata = {key: value for key, value in (header.get("__metadata__") or {}).items() if key != DIGEST_FIELD}
+    canonical = {**{key: value for key, value in header.items() if key != "__metadata__"}, "__metadata__": metadata}
+    digest = hashlib.sha256(json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode())
+    digest.update(body)
+    return digest.hexdigest()
 
 
 def _tensor_bytes(data: bytes) -> bytes:

@@ -1,0 +1,375 @@
+"""Hostile and damaged checkpoints, generated: every load path x every backend x every damage kind.
+
+Three registries make the cells: :data:`FORMATS` (what a backend writes and which backends read it
+back), :data:`DAMAGES` (what is done to a copy of the newest checkpoint and the refusal expected) and
+:data:`LOAD_PATHS` (how a run reads it: resume, ``validate(checkpoint=...)``, ``load_weights``,
+``export_weights(checkpoint=...)``). Adding an entry to any registry adds its cells. Each format's
+run is trained once (a module fixture); every cell damages its own copy.
+
+Every payload (a pickle that would run ``open(marker, "w")``) leaves a marker file if it ever runs;
+every cell asserts there is none. Expected: a damaged or misleading checkpoint is
+:class:`CorruptCheckpoint` naming the entry or file (resume falls back to checkpoint 2, the previous
+good one); a hostile pickle is :class:`CheckpointRefused` (resume stops, naming it). The 2-rank cells
+(fsdp 2 ranks and model-parallel 1x2, in one process group) repeat the issue-39 attacks on resume and
+``validate``.
+"""
+
+import os
+import pickle
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+from toy import ToyModule, toy_args
+
+from backends.dcp_index import IndexUnpickler
+from backends.sharded_checkpoint import INDEX_FILE, STATE_FILE
+from framework import Trainer
+from framework.checkpoint import CheckpointRefused, CorruptCheckpoint, DefaultCheckpointerArguments, load_weights
+from framework.checkpoint.default import checkpoint_name
+from framework.checkpoint.safetensors_io import save_safetensors
+
+STEPS = 3
+MARKER = "PAYLOAD-RAN"
+
+
+class Payload:
+    """Unpickling it creates ``path``: what a hostile file would do instead."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (open, (self.path, "w"))
+
+
+def arguments(root: str, backend: str, **overrides: Any) -> Any:
+    checkpoints = DefaultCheckpointerArguments(save_every_n_steps=1, keep_last_n=None)
+    values: Dict[str, Any] = dict(backend=backend, max_steps=STEPS, model_summary=False)
+    return toy_args(root, checkpoints, **{**values, **overrides})
+
+
+def newest(root: str, suffix: str) -> str:
+    return os.path.join(root, "run", "checkpoints", checkpoint_name(STEPS, suffix))
+
+
+# ---------------------------------------------------------------- sharded (DCP) damage
+
+
+def read_index(directory: str) -> Any:
+    with open(os.path.join(directory, INDEX_FILE), "rb") as handle:
+        return IndexUnpickler(handle).load()
+
+
+def rewrite(directory: str, metadata: Any = None) -> None:
+    """Write ``metadata`` as the index and make every digest in ``state.pt`` match what is there now
+    (an attacker who can write the directory can do this): only the reader's checks stand."""
+    if metadata is not None:
+        with open(os.path.join(directory, INDEX_FILE), "wb") as handle:
+            pickle.dump(metadata, handle)
+    import hashlib
+
+    def digest(path: str) -> str:
+        with open(path, "rb") as handle:
+            return hashlib.sha256(handle.read()).hexdigest()
+
+    state = torch.load(os.path.join(directory, STATE_FILE), weights_only=True)
+    state["sharded"]["metadata_sha256"] = digest(os.path.join(directory, INDEX_FILE))
+    try:
+        names = {info.relative_path for info in read_index(directory).storage_data.values()}
+        state["sharded"]["files_sha256"] = {name: digest(os.path.join(directory, name)) for name in names}
+    except (pickle.UnpicklingError, FileNotFoundError, IsADirectoryError):
+        pass  # a hostile index: its digest is enough
+    torch.save(state, os.path.join(directory, STATE_FILE))
+
+
+def a_weight(metadata: Any) -> str:
+    return next(key for key in sorted(metadata.state_dict_metadata) if key.startswith("module/"))
+
+
+def bytes_entry(directory: str, marker: str, key: str = "") -> None:
+    """A tensor's entry declared ``BytesStorageMetadata``, its bytes a payload: DCP's default planner unpickles it."""
+    metadata = read_index(directory)
+    key = key or a_weight(metadata)
+    payload = pickle.dumps(Payload(marker))
+    with open(os.path.join(directory, "__9_0.distcp"), "wb") as handle:
+        handle.write(payload)
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    metadata.storage_data = {index: info for index, info in metadata.storage_data.items() if index.fqn != key}
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__9_0.distcp", 0, len(payload))
+    rewrite(directory, metadata)
+
+
+def pointed_elsewhere(directory: str, name: Callable[[str], str]) -> None:
+    """Every storage entry names ``name(directory of checkpoint 2's shard)``: another checkpoint's weights."""
+    metadata = read_index(directory)
+    other = os.path.join(os.path.dirname(directory), checkpoint_name(STEPS - 1, ""))
+    for index, info in metadata.storage_data.items():
+        metadata.storage_data[index] = _StorageInfo(name(other) + "/" + info.relative_path, info.offset, info.length)
+    rewrite(directory, metadata)
+
+
+def offset_outside(directory: str, marker: str) -> None:
+    metadata = read_index(directory)
+    index, info = next(iter(metadata.storage_data.items()))
+    size = os.path.getsize(os.path.join(directory, info.relative_path))
+    metadata.storage_data[index] = _StorageInfo(info.relative_path, size + 10, info.length)
+    rewrite(directory, metadata)
+
+
+def huge_tensor(directory: str, marker: str) -> None:
+    """A bias's entry claims 10**12 elements (a 4 TB allocation when read whole); its chunk stays as it was."""
+    metadata = read_index(directory)
+    entry = metadata.state_dict_metadata[a_weight(metadata)]
+    assert len(entry.size) == 1
+    entry.size = torch.Size([10**12])
+    rewrite(directory, metadata)
+
+
+def symlinked_shard(directory: str, marker: str) -> None:
+    """The shard replaced by a link to checkpoint 2's shard (a plain name, another file)."""
+    shard = os.path.join(directory, "__0_0.distcp")
+    os.remove(shard)
+    os.symlink(os.path.join(os.path.dirname(directory), checkpoint_name(STEPS - 1, ""), "__0_0.distcp"), shard)
+    rewrite(directory)
+
+
+def hostile_index(directory: str, marker: str) -> None:
+    with open(os.path.join(directory, INDEX_FILE), "wb") as handle:
+        pickle.dump(Payload(marker), handle)
+    rewrite(directory)
+
+
+def flip_byte(path: str) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(os.path.getsize(path) // 2)
+        value = handle.read(1)[0]
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([value ^ 0x40]))
+
+
+def truncate(path: str, keep: float = 0.5) -> None:
+    os.truncate(path, int(os.path.getsize(path) * keep))
+
+
+def payload_state(path: str, marker: str) -> None:
+    torch.save({"format": "x", "payload": Payload(marker)}, path)
+
+
+# ---------------------------------------------------------------- safetensors damage
+
+
+def header_edit(path: str) -> None:
+    """One weight's dtype F32 -> I32 (same size): values off by ~1e9 if it loaded."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    size = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + size].replace(b'"F32"', b'"I32"', 1)
+    with open(path, "wb") as handle:
+        handle.write(data[:8] + header + data[8 + size :])
+
+
+def deep_header(path: str) -> None:
+    header = b"[" * 200_000 + b"]" * 200_000
+    with open(path, "wb") as handle:
+        handle.write(len(header).to_bytes(8, "little") + header)
+
+
+def index_edit(path: str, edit: Callable[[Dict[str, Any]], Any]) -> None:
+    import json
+
+    with open(path) as handle:
+        index = json.load(handle)
+    with open(path, "w") as handle:
+        handle.write(edit(index))
+
+
+def escape_index(index: Dict[str, Any]) -> str:
+    import json
+
+    key = next(iter(index["weight_map"]))
+    index["weight_map"][key] = "../elsewhere/" + index["weight_map"][key]
+    return json.dumps(index)
+
+
+# ---------------------------------------------------------------- the registries
+
+
+@dataclass(frozen=True)
+class Format:
+    writer: str  # the backend that trains the run
+    readers: Tuple[str, ...]  # the backends whose trainers read it back
+    target: Callable[[str], str]  # the path a load path is given, in a copied run
+
+
+FORMATS: Dict[str, Format] = {
+    "pt": Format("sp", ("sp",), lambda root: newest(root, ".pt")),
+    "sharded": Format("fsdp", ("fsdp", "sp"), lambda root: newest(root, "")),
+    "safetensors": Format("sp", ("sp",), lambda root: os.path.join(root, "export", "model.safetensors")),
+    "safetensors-index": Format(
+        "sp", ("sp",), lambda root: os.path.join(root, "export", "sharded", "model.safetensors.index.json")
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Damage:
+    format: str
+    apply: Callable[[str, str], None]  # (the target path, the marker a payload would write)
+    refusal: type
+    message: str  # a regex the error matches: it names the entry or file
+
+
+DAMAGES: Dict[str, Damage] = {
+    "sharded-bytes-entry": Damage("sharded", bytes_entry, CorruptCheckpoint, r"is a BytesStorageMetadata, not a tensor"),
+    "sharded-bytes-entry-new-key": Damage(
+        "sharded",
+        lambda d, m: bytes_entry(d, m, key="module/extra"),
+        CorruptCheckpoint,
+        r"'module/extra' was not written as a tensor",
+    ),
+    "sharded-path-escape": Damage(
+        "sharded",
+        lambda d, m: pointed_elsewhere(d, lambda other: "../" + os.path.basename(other)),
+        CorruptCheckpoint,
+        r"names the file '\.\./checkpoint-000000002/__0_0\.distcp': refused",
+    ),
+    "sharded-absolute-path": Damage(
+        "sharded", lambda d, m: pointed_elsewhere(d, lambda other: other), CorruptCheckpoint, r"names the file '/.*: refused"
+    ),
+    "sharded-symlinked-shard": Damage(
+        "sharded", symlinked_shard, CorruptCheckpoint, r"names '__0_0\.distcp', which is not in the checkpoint directory"
+    ),
+    "sharded-offset-outside": Damage("sharded", offset_outside, CorruptCheckpoint, r"lie outside '__0_0\.distcp'"),
+    "sharded-huge-tensor": Damage("sharded", huge_tensor, CorruptCheckpoint, r"not the 1000000000000 of"),
+    "sharded-shard-truncated": Damage(
+        "sharded", lambda d, m: truncate(os.path.join(d, "__0_0.distcp")), CorruptCheckpoint, r"lie outside|SHA-256"
+    ),
+    "sharded-shard-flipped": Damage(
+        "sharded",
+        lambda d, m: flip_byte(os.path.join(d, "__0_0.distcp")),
+        CorruptCheckpoint,
+        r"shard '__0_0\.distcp' does not match the SHA-256",
+    ),
+    "sharded-index-truncated": Damage(
+        "sharded", lambda d, m: truncate(os.path.join(d, INDEX_FILE)), CorruptCheckpoint, r"\.metadata does not match"
+    ),
+    "sharded-index-payload": Damage("sharded", hostile_index, CheckpointRefused, r"not a plain DCP index.*io\.open"),
+    "sharded-state-payload": Damage(
+        "sharded", lambda d, m: payload_state(os.path.join(d, STATE_FILE), m), CheckpointRefused, r"pickled Python objects"
+    ),
+    "pt-truncated": Damage("pt", lambda p, m: truncate(p), CorruptCheckpoint, r"truncated"),
+    "pt-flipped": Damage("pt", lambda p, m: flip_byte(p), CorruptCheckpoint, r"CRC|damaged|unpickling failed"),
+    "pt-payload": Damage("pt", payload_state, CheckpointRefused, r"pickled Python objects"),
+    "safetensors-header-edit": Damage(
+        "safetensors", lambda p, m: header_edit(p), CorruptCheckpoint, r"header and tensor bytes do not match the SHA-256"
+    ),
+    "safetensors-deep-nesting": Damage("safetensors", lambda p, m: deep_header(p), CorruptCheckpoint, r"nested deeper than"),
+    "safetensors-truncated": Damage("safetensors", lambda p, m: truncate(p, 0.01), CorruptCheckpoint, r"truncated"),
+    "safetensors-index-escape": Damage(
+        "safetensors-index", lambda p, m: index_edit(p, escape_index), CorruptCheckpoint, r"names '\.\./elsewhere/.*refused"
+    ),
+    "safetensors-index-deep-nesting": Damage(
+        "safetensors-index",
+        lambda p, m: index_edit(p, lambda index: "[" * 200_000 + "]" * 200_000),
+        CorruptCheckpoint,
+        r"the index is nested deeper than",
+    ),
+}
+
+
+def resume(root: str, target: str, backend: str) -> str:
+    args = arguments(root, backend, max_steps=STEPS + 1)
+    args.checkpointer_args.resume = "auto"
+    trainer = Trainer(ToyModule(), args)
+    trainer.train()
+    return str(trainer.checkpointer.loaded_from)
+
+
+def validate(root: str, target: str, backend: str) -> str:
+    Trainer(ToyModule(), arguments(root, backend)).validate(checkpoint=target)
+    return target
+
+
+def export(root: str, target: str, backend: str) -> str:
+    Trainer(ToyModule(), arguments(root, backend)).export_weights(os.path.join(root, "out.safetensors"), checkpoint=target)
+    return target
+
+
+def weights(root: str, target: str, backend: str) -> str:
+    return load_weights(ToyModule(), target)
+
+
+@dataclass(frozen=True)
+class LoadPath:
+    run: Callable[[str, str, str], str]  # (copied run, target, backend) -> the checkpoint it loaded
+    formats: Tuple[str, ...]
+    falls_back: bool = False  # damage makes it load the previous checkpoint instead
+    with_backend: bool = True  # False: reads in this process alone, whatever backend wrote it
+
+
+LOAD_PATHS: Dict[str, LoadPath] = {
+    "resume": LoadPath(resume, ("pt", "sharded"), falls_back=True),
+    "validate": LoadPath(validate, tuple(FORMATS)),
+    "export_weights": LoadPath(export, ("pt", "sharded")),
+    "load_weights": LoadPath(weights, tuple(FORMATS), with_backend=False),
+}
+
+
+def cells() -> List[Any]:
+    found = []
+    for path_name, path in LOAD_PATHS.items():
+        for damage_name, damage in DAMAGES.items():
+            if damage.format not in path.formats:
+                continue
+            for backend in FORMATS[damage.format].readers if path.with_backend else ("none",):
+                found.append(pytest.param(path_name, backend, damage_name, id=f"{path_name}-{backend}-{damage_name}"))
+    return found
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Dict[str, str]:
+    """One trained run per writing backend (checkpoints 1..3), and its exports (a file and a sharded one)."""
+    roots = {}
+    for backend in sorted({fmt.writer for fmt in FORMATS.values()}):
+        root = str(tmp_path_factory.mktemp(f"written-{backend}"))
+        trainer = Trainer(ToyModule(), arguments(root, backend))
+        trainer.train()
+        if backend == "sp":
+            state = trainer.module.state_dict()
+            save_safetensors(state, os.path.join(root, "export", "model.safetensors"))
+            save_safetensors(state, os.path.join(root, "export", "sharded", "model.safetensors"), max_shard_size=100)
+        roots[backend] = root
+    return roots
+
+
+@pytest.mark.parametrize("path_name, backend, damage_name", cells())
+def test_every_load_path_refuses_every_damage_and_runs_no_payload(written, tmp_path, path_name, backend, damage_name):
+    damage, path = DAMAGES[damage_name], LOAD_PATHS[path_name]
+    fmt = FORMATS[damage.format]
+    root = str(tmp_path / "copy")
+    shutil.copytree(written[fmt.writer], root, symlinks=True)
+    marker = str(tmp_path / MARKER)
+    target = fmt.target(root)
+    damage.apply(target, marker)
+    if path.falls_back and damage.refusal is CorruptCheckpoint:
+        loaded = path.run(root, target, backend)
+        assert loaded.endswith(checkpoint_name(STEPS - 1, os.path.splitext(target)[1])), loaded
+    else:
+        with pytest.raises(damage.refusal) as raised:
+            path.run(root, target, backend)
+        assert re.search(damage.message, str(raised.value)), str(raised.value)
+    assert not os.path.exists(marker), "the payload ran"
+
+
+def test_every_damage_kind_has_cells_on_every_path_that_reads_its_format():
+    ids = {cell.id for cell in cells()}
+    for damage_name, damage in DAMAGES.items():
+        readers = [name for name, path in LOAD_PATHS.items() if damage.format in path.formats]
+        assert len(readers) >= 2 and all(any(i.startswith(f"{r}-") and i.endswith(damage_name) for i in ids) for r in readers)

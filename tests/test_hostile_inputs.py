@@ -18,6 +18,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -26,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from distributed import run_ranks
 from toy import ToyModule, toy_args
 
 from backends.dcp_index import IndexUnpickler
@@ -126,8 +128,7 @@ def offset_outside(directory: str, marker: str) -> None:
 def huge_tensor(directory: str, marker: str) -> None:
     """A bias's entry claims 10**12 elements (a 4 TB allocation when read whole); its chunk stays as it was."""
     metadata = read_index(directory)
-    entry = metadata.state_dict_metadata[a_weight(metadata)]
-    assert len(entry.size) == 1
+    entry = next(entry for key, entry in sorted(metadata.state_dict_metadata.items()) if len(entry.size) == 1)
     entry.size = torch.Size([10**12])
     rewrite(directory, metadata)
 
@@ -284,31 +285,31 @@ DAMAGES: Dict[str, Damage] = {
 }
 
 
-def resume(root: str, target: str, backend: str) -> str:
-    args = arguments(root, backend, max_steps=STEPS + 1)
+def resume(root: str, target: str, backend: str, make: Callable[[], Any] = ToyModule, **extra: Any) -> str:
+    args = arguments(root, backend, **{**extra, "max_steps": STEPS + 1})
     args.checkpointer_args.resume = "auto"
-    trainer = Trainer(ToyModule(), args)
+    trainer = Trainer(make(), args)
     trainer.train()
     return str(trainer.checkpointer.loaded_from)
 
 
-def validate(root: str, target: str, backend: str) -> str:
-    Trainer(ToyModule(), arguments(root, backend)).validate(checkpoint=target)
+def validate(root: str, target: str, backend: str, make: Callable[[], Any] = ToyModule, **extra: Any) -> str:
+    Trainer(make(), arguments(root, backend, **extra)).validate(checkpoint=target)
     return target
 
 
-def export(root: str, target: str, backend: str) -> str:
-    Trainer(ToyModule(), arguments(root, backend)).export_weights(os.path.join(root, "out.safetensors"), checkpoint=target)
+def export(root: str, target: str, backend: str, make: Callable[[], Any] = ToyModule, **extra: Any) -> str:
+    Trainer(make(), arguments(root, backend, **extra)).export_weights(os.path.join(root, "out.safetensors"), checkpoint=target)
     return target
 
 
-def weights(root: str, target: str, backend: str) -> str:
-    return load_weights(ToyModule(), target)
+def weights(root: str, target: str, backend: str, make: Callable[[], Any] = ToyModule, **extra: Any) -> str:
+    return load_weights(make(), target)
 
 
 @dataclass(frozen=True)
 class LoadPath:
-    run: Callable[[str, str, str], str]  # (copied run, target, backend) -> the checkpoint it loaded
+    run: Callable[..., str]  # (copied run, target, backend[, module factory, **arguments]) -> the checkpoint it loaded
     formats: Tuple[str, ...]
     falls_back: bool = False  # damage makes it load the previous checkpoint instead
     with_backend: bool = True  # False: reads in this process alone, whatever backend wrote it
@@ -358,14 +359,24 @@ def test_every_load_path_refuses_every_damage_and_runs_no_payload(written, tmp_p
     marker = str(tmp_path / MARKER)
     target = fmt.target(root)
     damage.apply(target, marker)
-    if path.falls_back and damage.refusal is CorruptCheckpoint:
-        loaded = path.run(root, target, backend)
-        assert loaded.endswith(checkpoint_name(STEPS - 1, os.path.splitext(target)[1])), loaded
-    else:
-        with pytest.raises(damage.refusal) as raised:
-            path.run(root, target, backend)
-        assert re.search(damage.message, str(raised.value)), str(raised.value)
+    assert outcome(path_name, damage_name, lambda: path.run(root, target, backend), target) == "as expected"
     assert not os.path.exists(marker), "the payload ran"
+
+
+def outcome(path_name: str, damage_name: str, run: Callable[[], str], target: str) -> str:
+    """``"as expected"``, or what happened instead: resume falls back past damage to checkpoint 2, every other
+    load path (and resume, for a hostile pickle) raises the damage's refusal with its message."""
+    damage, path = DAMAGES[damage_name], LOAD_PATHS[path_name]
+    falls_back = path.falls_back and damage.refusal is CorruptCheckpoint
+    try:
+        loaded = run()
+    except Exception as error:
+        if not falls_back and isinstance(error, damage.refusal) and re.search(damage.message, str(error)):
+            return "as expected"
+        return f"{type(error).__name__}: {error}"
+    if falls_back and loaded.endswith(checkpoint_name(STEPS - 1, os.path.splitext(target)[1])):
+        return "as expected"
+    return f"loaded {loaded}"
 
 
 def test_every_damage_kind_has_cells_on_every_path_that_reads_its_format():
@@ -373,3 +384,71 @@ def test_every_damage_kind_has_cells_on_every_path_that_reads_its_format():
     for damage_name, damage in DAMAGES.items():
         readers = [name for name, path in LOAD_PATHS.items() if damage.format in path.formats]
         assert len(readers) >= 2 and all(any(i.startswith(f"{r}-") and i.endswith(damage_name) for i in ids) for r in readers)
+
+
+def llama() -> Any:
+    """The model-parallel example's model, tiny (its tensor_parallel_plan splits the attention and the SwiGLU)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from model_parallel import LlamaArguments, TinyLlama
+
+    sys.path.pop(0)
+    torch.manual_seed(0)
+    return TinyLlama(LlamaArguments(vocab_size=32, dim=32, n_layers=1, n_heads=4, hidden_dim=64, seq_len=8, samples=64))
+
+
+TWO_RANK_BACKENDS: Dict[str, Tuple[Callable[[], Any], Dict[str, Any]]] = {
+    "fsdp-2": (ToyModule, dict(backend="fsdp")),
+    "model-parallel-1x2": (llama, dict(backend="model-parallel", tensor_parallel_size=2)),
+}
+TWO_RANK_PATHS = ("resume", "validate")
+
+
+def two_rank_cells(rank: int, out: str) -> Dict[str, str]:
+    """Every sharded damage kind x resume and validate x each 2-rank backend, in one process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    results: Dict[str, str] = {}
+    for name, (make, extra) in TWO_RANK_BACKENDS.items():
+        backend = extra["backend"]
+        overrides = {key: value for key, value in extra.items() if key != "backend"}
+        written_root = os.path.join(out, name, "written")
+        Trainer(make(), arguments(written_root, backend, train_batch_size=16, **overrides)).train()
+        for damage_name, damage in DAMAGES.items():
+            if damage.format != "sharded":
+                continue
+            for path_name in TWO_RANK_PATHS:
+                root = os.path.join(out, name, damage_name, path_name)
+                target, marker = newest(root, ""), os.path.join(out, name, damage_name, path_name + "-" + MARKER)
+                if rank == 0:
+                    shutil.copytree(written_root, root, symlinks=True)
+                    damage.apply(target, marker)
+                dist.barrier()
+                run = LOAD_PATHS[path_name].run
+                results[f"{name}-{path_name}-{damage_name}"] = outcome(
+                    path_name,
+                    damage_name,
+                    lambda: run(root, target, backend, make, train_batch_size=16, **overrides),  # noqa: B023
+                    target,
+                )
+                dist.barrier()
+                if os.path.exists(marker):
+                    results[f"{name}-{path_name}-{damage_name}"] = "the payload ran"
+    dist.destroy_process_group()
+    return results
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_rank_fsdp_and_model_parallel_refuse_every_sharded_damage_on_resume_and_validate(tmp_path):
+    ranks = run_ranks(two_rank_cells, out=str(tmp_path), timeout=400)
+    expected = {
+        f"{name}-{path}-{damage}"
+        for name in TWO_RANK_BACKENDS
+        for path in TWO_RANK_PATHS
+        for damage, kind in DAMAGES.items()
+        if kind.format == "sharded"
+    }
+    for results in ranks:
+        assert set(results) == expected
+        assert {cell: result for cell, result in results.items() if result != "as expected"} == {}

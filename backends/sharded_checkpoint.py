@@ -216,7 +216,8 @@ def load(
     """
     fs, directory = fsspec.core.url_to_fs(path)
     directory = directory.rstrip("/")
-    rest, metadata = _verified_state(fs, directory, path, io)
+    verified = _just_verified.pop(path, None)  # verify() ran just before, on this rank: every file is hashed once
+    rest, metadata = verified if verified is not None else _verified_state(fs, directory, path, io)
     paths = marker_paths(rest)
     reader = dcp_reader.reader(fs, directory, metadata)  # serves the checked index, reads tensors only
     planner = dcp_reader.TensorOnlyPlanner
@@ -262,7 +263,12 @@ def verify(path: str, io: CheckpointIO) -> None:
         FileNotFoundError, CorruptCheckpoint, CheckpointRefused: as :func:`load`.
     """
     fs, directory = fsspec.core.url_to_fs(path)
-    _verified_state(fs, directory.rstrip("/"), path, io)
+    _just_verified.clear()
+    _just_verified[path] = _verified_state(fs, directory.rstrip("/"), path, io)
+
+
+_just_verified: Dict[str, Tuple[Dict[str, Any], Any]] = {}
+"""What :func:`verify` found, for the :func:`load` of the same path that follows it (its shards are hashed once)."""
 
 
 def _verified_state(fs: Any, directory: str, path: str, io: CheckpointIO) -> Tuple[Dict[str, Any], Any]:

@@ -170,6 +170,7 @@ refused (DCP would unpickle its bytes with weights_only=False)
                 f"index entry {_short(key)} is a {type(entry).__name__}, not a tensor: refused "
                 "(DCP would unpickle its bytes with weights_only=False)"
             )
+    _check_planner_data(metadata.planner_data, budget)
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise CorruptCheckpoint(f"the index's storage_data is a {type(storage).__name__}, not a dict")
@@ -220,6 +221,28 @@ refused (DCP would unpickle its bytes with weights_only=False)
             raise CorruptCheckpoint(
                 f"index entry {_short(key)}: its chunks hold {elements} elements in {stored_bytes} bytes, "
                 f"not the {_numel(shape)} of {tuple(shape)} {dtype}"
+            )
+
+
+def _check_planner_data(planner_data: Any, budget: int) -> None:
+    """DCP's default planner writes ``{key: (key, ...)}`` (flattened paths): flat, never nested deeper.
+    Checked without recursion, so an index nested 100 000 levels deep is refused, not a ``RecursionError``."""
+    if planner_data is None:
+        return
+    if not isinstance(planner_data, dict) or len(planner_data) > budget:
+        raise CorruptCheckpoint(f"the index's planner_data is a {type(planner_data).__name__}, not a dict of key paths")
+    for key, value in planner_data.items():
+        if not (
+            isinstance(key, str)
+            and isinstance(value, (tuple, list))
+            and len(value) <= budget
+            and all(isinstance(part, (str, int)) for part in value)
+        ):
+            raise CorruptCheckpoint(
+                f"the index's planner_data holds {type(value).__name__} under {type(key).__name__} "
+                f"{key[:100]!r}, not a flat key path"
+                if isinstance(key, str)
+                else "a key that is not a string"
             )
 
 

@@ -141,6 +141,19 @@ def symlinked_shard(directory: str, marker: str) -> None:
     rewrite(directory)
 
 
+def deep_index(directory: str, marker: str) -> None:
+    """The index's planner_data holds a list nested 100 000 levels deep (hand-made pickle opcodes)."""
+    metadata = read_index(directory)
+    metadata.planner_data = {"module/deep": "PLACEHOLDER-DEEP"}
+    data = pickle.dumps(metadata, protocol=2)  # no frames: the opcodes may change length
+    placeholder = b"X" + (16).to_bytes(4, "little") + b"PLACEHOLDER-DEEP"
+    assert data.count(placeholder) == 1
+    depth = 100_000
+    with open(os.path.join(directory, INDEX_FILE), "wb") as handle:
+        handle.write(data.replace(placeholder, b"]" * depth + b"a" * (depth - 1)))
+    rewrite(directory)
+
+
 def hostile_index(directory: str, marker: str) -> None:
     with open(os.path.join(directory, INDEX_FILE), "wb") as handle:
         pickle.dump(Payload(marker), handle)
@@ -261,6 +274,7 @@ DAMAGES: Dict[str, Damage] = {
     "sharded-index-truncated": Damage(
         "sharded", lambda d, m: truncate(os.path.join(d, INDEX_FILE)), CorruptCheckpoint, r"\.metadata does not match"
     ),
+    "sharded-index-deep-nesting": Damage("sharded", deep_index, CorruptCheckpoint, r"planner_data holds list under str"),
     "sharded-index-payload": Damage("sharded", hostile_index, CheckpointRefused, r"not a plain DCP index.*io\.open"),
     "sharded-state-payload": Damage(
         "sharded", lambda d, m: payload_state(os.path.join(d, STATE_FILE), m), CheckpointRefused, r"pickled Python objects"
@@ -298,6 +312,24 @@ def validate(root: str, target: str, backend: str, make: Callable[[], Any] = Toy
     return target
 
 
+def run_test(root: str, target: str, backend: str, make: Callable[[], Any] = ToyModule, **extra: Any) -> str:
+    Trainer(evaluating(make()), arguments(root, backend, **extra)).test(checkpoint=target)
+    return target
+
+
+def predict(root: str, target: str, backend: str, make: Callable[[], Any] = ToyModule, **extra: Any) -> str:
+    Trainer(evaluating(make()), arguments(root, backend, **extra)).predict(checkpoint=target)
+    return target
+
+
+def evaluating(module: Any) -> Any:
+    """``module`` with test and predict loaders (its validation set)."""
+    module.get_test_dataloaders = module.get_val_dataloaders
+    module.get_predict_dataloader = lambda sampler, batch_size: module.get_val_dataloaders(sampler, batch_size)
+    module.predict_step = lambda global_step, batch, device: module.net(batch[0])
+    return module
+
+
 def export(root: str, target: str, backend: str, make: Callable[[], Any] = ToyModule, **extra: Any) -> str:
     Trainer(make(), arguments(root, backend, **extra)).export_weights(os.path.join(root, "out.safetensors"), checkpoint=target)
     return target
@@ -318,6 +350,8 @@ class LoadPath:
 LOAD_PATHS: Dict[str, LoadPath] = {
     "resume": LoadPath(resume, ("pt", "sharded"), falls_back=True),
     "validate": LoadPath(validate, tuple(FORMATS)),
+    "test": LoadPath(run_test, tuple(FORMATS)),
+    "predict": LoadPath(predict, tuple(FORMATS)),
     "export_weights": LoadPath(export, ("pt", "sharded")),
     "load_weights": LoadPath(weights, tuple(FORMATS), with_backend=False),
 }

@@ -239,3 +239,25 @@ def test_an_export_killed_between_shards_leaves_the_previous_one_whole_and_a_fli
     flip_last_byte(str(tmp_path / "single.safetensors"))
     with pytest.raises(CorruptCheckpoint, match="do not match the SHA-256 in its header"):
         load_weights(TinyTransformer(), str(tmp_path / "single.safetensors"))
+
+
+def test_a_safetensors_file_exported_before_headers_were_digested_still_loads_and_its_bytes_are_checked(tmp_path):
+    """A file with only ``__metadata__["sha256"]`` (of the tensor bytes: written before ``sha256_with_header``)."""
+    import hashlib
+
+    from safetensors.torch import save
+
+    from backends.checkpoint_io import CorruptCheckpoint
+
+    expected = state_of(TinyTransformer())
+    body = save(expected)[8 + int.from_bytes(save(expected)[:8], "little") :]
+    old = save(expected, metadata={"format": "pt", "sha256": hashlib.sha256(body).hexdigest()})
+    path = tmp_path / "old.safetensors"
+    path.write_bytes(old)
+    module = TinyTransformer(seed=1)  # other initial weights
+    assert not torch.equal(state_of(module)["head.weight"], expected["head.weight"])
+    load_weights(module, str(path))
+    assert_same_weights(state_of(module), expected)
+    path.write_bytes(old[:-1] + bytes([old[-1] ^ 1]))
+    with pytest.raises(CorruptCheckpoint, match="its tensor bytes do not match the SHA-256 in its header"):
+        load_weights(TinyTransformer(), str(path))

@@ -420,6 +420,32 @@ def test_every_damage_kind_has_cells_on_every_path_that_reads_its_format():
         assert len(readers) >= 2 and all(any(i.startswith(f"{r}-") and i.endswith(damage_name) for i in ids) for r in readers)
 
 
+def test_a_sharded_checkpoint_written_before_shard_digests_loads_and_its_index_is_still_checked(written, tmp_path):
+    """``state.pt`` without ``files_sha256`` (written before shards were digested): it loads, with the same
+    weights; a bytes entry in it is still refused and its payload never runs."""
+    root = str(tmp_path / "copy")
+    shutil.copytree(written["fsdp"], root)
+    target, marker = newest(root, ""), str(tmp_path / MARKER)
+
+    def forget_shard_digests() -> None:
+        state = torch.load(os.path.join(target, STATE_FILE), weights_only=True)
+        del state["sharded"]["files_sha256"]
+        torch.save(state, os.path.join(target, STATE_FILE))
+
+    expected = ToyModule(seed=1)
+    load_weights(expected, target)
+    forget_shard_digests()
+    module = ToyModule(seed=1)
+    load_weights(module, target)
+    assert all(torch.equal(a, b) for a, b in zip(module.state_dict().values(), expected.state_dict().values()))
+    assert not torch.equal(module.net[0].weight, ToyModule(seed=1).net[0].weight)  # loaded, not the initial weights
+    bytes_entry(target, marker)
+    forget_shard_digests()
+    with pytest.raises(CorruptCheckpoint, match="is a BytesStorageMetadata, not a tensor"):
+        load_weights(ToyModule(), target)
+    assert not os.path.exists(marker)
+
+
 def llama() -> Any:
     """The model-parallel example's model, tiny (its tensor_parallel_plan splits the attention and the SwiGLU)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))

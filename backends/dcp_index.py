@@ -98,8 +98,26 @@ def read_index(handle: BinaryIO) -> Any:
     return metadata
 
 
+def refuse_bytes_items(plan: Any) -> Any:
+    """``plan`` (a DCP ``LoadPlan``), unless it asks for an entry as bytes (which DCP would unpickle).
+
+    Raises:
+        CorruptCheckpoint: naming the first entry a read would unpickle.
+    """
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    for item in plan.items:
+        if item.type != LoadItemType.TENSOR:
+            raise CorruptCheckpoint(
+                f"index entry {_short(item.dest_index.fqn)} would be read as pickled bytes (torch.load weights_only=False): "
+                "refused"
+            )
+    return plan
+
+
 class _SafeIndexMixin:
-    """``read_metadata`` of DCP's ``FileSystemReader``, unpickling with :class:`IndexUnpickler`."""
+    """``read_metadata`` of DCP's ``FileSystemReader``, unpickling with :class:`IndexUnpickler`; ``read_data``
+    refuses bytes entries. The framework's loads use :mod:`backends.dcp_reader`, which checks the whole index."""
 
     fs: Any
     load_id: str
@@ -112,6 +130,9 @@ class _SafeIndexMixin:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        return super().read_data(refuse_bytes_items(plan), planner)  # type: ignore[misc]
 
 
 class SafeFileSystemReader(_SafeIndexMixin, dcp_filesystem.FileSystemReader):

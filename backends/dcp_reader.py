@@ -24,23 +24,14 @@ from typing import Any, Collection, Dict, Mapping
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from backends.checkpoint_io import CheckpointRefused, CorruptCheckpoint
-from backends.dcp_index import UnsafeIndex, check_index, read_index
+from backends.dcp_index import UnsafeIndex, check_index, read_index, refuse_bytes_items
 
 INDEX_FILE = ".metadata"
 INDEX_LIMIT = 1 << 30
 """The largest ``.metadata`` read (bytes): an index describes tensors, it does not hold them."""
-
-
-def _refuse_bytes(plan: LoadPlan) -> LoadPlan:
-    for item in plan.items:
-        if item.type != LoadItemType.TENSOR:
-            raise CorruptCheckpoint(
-                f"index entry {item.dest_index.fqn!r} would be read as pickled bytes (torch.load weights_only=False): refused"
-            )
-    return plan
 
 
 class TensorOnlyPlanner(DefaultLoadPlanner):
@@ -56,7 +47,7 @@ class TensorOnlyPlanner(DefaultLoadPlanner):
     """
 
     def create_local_plan(self) -> LoadPlan:
-        return _refuse_bytes(super().create_local_plan())
+        return refuse_bytes_items(super().create_local_plan())
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         raise CorruptCheckpoint("a checkpoint entry asked to be unpickled: refused")
@@ -75,7 +66,7 @@ class _ValidatedMixin:
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Any:
-        return super().read_data(_refuse_bytes(plan), planner)  # type: ignore[misc]
+        return super().read_data(refuse_bytes_items(plan), planner)  # type: ignore[misc]
 
 
 class ValidatedFileSystemReader(_ValidatedMixin, FileSystemReader):

@@ -446,6 +446,24 @@ def test_a_sharded_checkpoint_written_before_shard_digests_loads_and_its_index_i
     assert not os.path.exists(marker)
 
 
+def test_the_index_only_readers_of_dcp_index_refuse_bytes_entries_too(written, tmp_path):
+    """``SafeFileSystemReader`` (kept for code that drives DCP itself) with DCP's default planner: the bytes
+    entry is refused when read, its payload never runs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from backends.dcp_index import SafeFileSystemReader
+
+    root = str(tmp_path / "copy")
+    shutil.copytree(written["fsdp"], root)
+    target, marker = newest(root, ""), str(tmp_path / MARKER)
+    bytes_entry(target, marker)
+    key = next(key for key, entry in read_index(target).state_dict_metadata.items() if isinstance(entry, BytesStorageMetadata))
+    with pytest.raises(CheckpointException, match="would be read as pickled bytes"):
+        dcp.load({key: torch.empty(0)}, storage_reader=SafeFileSystemReader(target), no_dist=True)
+    assert not os.path.exists(marker)
+
+
 def llama() -> Any:
     """The model-parallel example's model, tiny (its tensor_parallel_plan splits the attention and the SwiGLU)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))

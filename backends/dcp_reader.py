@@ -38,7 +38,6 @@ class TensorOnlyPlanner(DefaultLoadPlanner):
     """DCP's default load planner, refusing every entry that is not a tensor (DCP unpickles those).
 
     Example:
-        >>> import torch, torch.distributed.checkpoint as dcp
         >>> planner = TensorOnlyPlanner()
         >>> planner.load_bytes(None, None)
         Traceback (most recent call last):
@@ -70,7 +69,13 @@ class _ValidatedMixin:
 
 
 class ValidatedFileSystemReader(_ValidatedMixin, FileSystemReader):
-    """DCP's local reader over a checked index."""
+    """DCP's local reader over a checked index.
+
+    Example:
+        fs, directory = fsspec.core.url_to_fs("runs/x/checkpoints/checkpoint-000000008")
+        checked = validated_index(fs, directory, marker_paths(state), state["sharded"])
+        dcp.load(targets, storage_reader=ValidatedFileSystemReader(directory, checked), planner=TensorOnlyPlanner())
+    """
 
     def __init__(self, path: str, checked: Any) -> None:
         super().__init__(path)

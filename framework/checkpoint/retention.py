@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from framework.checkpoint import storage
 from framework.checkpoint.finite import best_first
+from framework.run.run_lock import check_lock_held
 
 logger = logging.getLogger("framework.checkpoint.default")  # the checkpointer's messages keep one logger name
 
@@ -109,8 +110,10 @@ def apply_retention(
     Checkpoints with a higher step come from this run's own earlier attempt, later resumed
     from an older checkpoint: they are renamed ``<name>.stale`` (never resumed from again).
     Leftovers of killed saves are removed. With ``keep_last_n`` set, only the newest
-    ``keep_last_n`` plus the best ``keep_best_n`` by their ``scores`` stay.
+    ``keep_last_n`` plus the best ``keep_best_n`` by their ``scores`` stay. Nothing is touched
+    when this run's lock on the directory was taken over (:class:`~framework.run.run_lock.RunLockLost`).
     """
+    check_lock_held(directory)
     entries = checkpoint_entries(fs, directory)
     for step, path in entries:
         if step > written_step:

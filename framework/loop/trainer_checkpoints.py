@@ -27,7 +27,9 @@ from framework.metrics.loss_tracker import LossTracker
 from framework.module import ModuleInterface
 from framework.run import checks
 from framework.run.arguments import TrainerArguments
+from framework.run.preemption import PreemptionHandler
 from framework.run.run_identity import OUTPUT_DIR_KEY, RUN_ID_KEY, StartingIdentity
+from framework.run.run_lock import RunLockLost, RunLocks
 
 logger = logging.getLogger("framework")
 
@@ -59,6 +61,8 @@ class TrainerCheckpoints:
     train_loader: Optional[TrainLoader]
     run_id: Optional[str]
     _identity: StartingIdentity
+    _run_lock: Optional[RunLocks]
+    preemption: PreemptionHandler
 
     def _use_saved_micro_batch(self, saved: Any) -> None:  # defined by Trainer
         raise NotImplementedError
@@ -88,6 +92,26 @@ class TrainerCheckpoints:
         """False under ``fast_dev_run``."""
         return not self.args.fast_dev_run
 
+    def _watch_run_lock(self) -> None:
+        """Stop at the next step boundary when another run takes this run's lock (rank zero's heartbeat
+        finds it; the ranks agree on the stop as on a signal), then :meth:`_check_run_lock` ends the run."""
+        if self._run_lock is not None:
+            self._run_lock.on_lost(lambda: self.preemption.request("the loss of the run lock"))
+
+    def _check_run_lock(self) -> None:
+        """Raise :class:`RunLockLost` on every rank when rank zero's lock was taken over (before any write;
+        collective: call on every rank)."""
+        problem = None
+        if self._run_lock is not None:
+            try:
+                self._run_lock.check()
+            except RunLockLost as error:
+                problem = str(error)
+        if self.backend.world_size > 1:
+            problem = self.backend.broadcast_object(problem)
+        if problem is not None:
+            raise RunLockLost(problem)
+
     def save_checkpoint(self, epoch: Optional[int] = None, force: bool = True) -> Optional[str]:
         """Save module, trainer and backend state now (or, with ``force=False``, if a save is due).
 
@@ -102,6 +126,7 @@ class TrainerCheckpoints:
                 (default: now).
             force: save whether or not the schedule says a save is due.
         """
+        self._check_run_lock()  # a run whose lock was taken over writes nothing more
         step = self.global_steps_finished
         position = None if self.train_loader is None else self.train_loader.position
         if self.progress.batches_finished_in_epoch and position is not None and not position.resumable_mid_epoch:
@@ -126,6 +151,7 @@ class TrainerCheckpoints:
 
     def save_model_checkpoint(self) -> Optional[str]:
         """Write the module's full weights alone (for inference), on rank zero (call on every rank)."""
+        self._check_run_lock()
         state = self.backend.unsharded(self.module.get_state())  # fsdp: gathered from the shards
         step = self.global_steps_finished
         location = self.backend.run_on_rank_zero(lambda: self.checkpointer.save_model(state, step), "failed to export the model")

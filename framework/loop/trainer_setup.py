@@ -84,6 +84,7 @@ class TrainerSetup:
     global_steps_finished: int
     epochs_finished: int
     _restore_checkpoint: Callable[[], None]
+    _watch_run_lock: Callable[[], None]
 
     # -- setup ----------------------------------------------------------------------------
     @property
@@ -107,6 +108,7 @@ class TrainerSetup:
         if not args.fast_dev_run:  # every rank sees the same directories; a second live run on them stops here
             check_shared_storage(run_directories(args.output_dir, self.checkpointer), self.backend)
             self._run_lock = claim_run_lock(args.output_dir, self.backend, locked_directories(args.output_dir, self.checkpointer))
+            self._watch_run_lock()  # a lock taken over by another run stops this one at its next step
         loader = self._create_train_loader()
         if self.wrapped_module is None:
             if args.activation_checkpointing:  # before the strategy compiles and shards the units

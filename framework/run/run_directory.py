@@ -1,14 +1,15 @@
 """One run per directory: a new run never writes where another run's files are.
 
-A local ``save_dir`` outside ``output_dir`` is locked with the output directory while the run
-lives (:func:`locked_directories`, :mod:`framework.run.run_lock`);
+A local ``save_dir`` is locked with the output directory while the run lives, inside it or not
+(:func:`locked_directories`, :mod:`framework.run.run_lock`);
 whose checkpoints it holds is checked on resume (:mod:`framework.run.run_identity`).
 
 Running the same command twice without ``resume`` would otherwise overwrite the first run's
 ``metrics.csv``, ``config.yaml`` and checkpoints. At setup, before anything is written,
 :func:`choose_run_directory` moves a new run whose ``output_dir`` holds another run to
 ``<output_dir>/version_<N>`` (``output_dir_in_use="new_version"``, the default, as Lightning's
-``version_N``), then :func:`claim_run_directory` checks ``output_dir``
+``version_N``; the directory is chosen and locked in one step, so two reruns started together
+take two versions), then :func:`claim_run_directory` checks ``output_dir``
 (:func:`check_output_dir_free`) and the checkpointer's own directory
 (``AbstractCheckpointer.prepare_run``): a run that continues the run already there
 (``resume="auto"``, or loading from its own ``save_dir``) may use them; any other is refused.
@@ -19,6 +20,7 @@ import re
 from typing import TYPE_CHECKING, Any, List, Tuple
 
 from backends.local_files import local_path
+from framework.run.run_lock import claim_run_lock, reserve_directory
 
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
@@ -94,8 +96,10 @@ def check_output_dir_free(output_dir: str, resuming: bool) -> None:
         )
 
 
-def free_version_dir(output_dir: str) -> str:
-    """``<output_dir>/version_<N>`` for the first N >= 1 that holds no run's files.
+def free_version_dir(output_dir: str, reserve: bool = False) -> str:
+    """``<output_dir>/version_<N>`` for the first N >= 1 that holds no run's files (and, with
+    ``reserve``, whose run lock this process could take: chosen and locked in one step, the lock
+    kept for :func:`~framework.run.run_lock.claim_run_lock` to adopt).
 
     Example:
         >>> import tempfile
@@ -103,9 +107,21 @@ def free_version_dir(output_dir: str) -> str:
         'version_1'
     """
     version = 1
-    while previous_run_files(os.path.join(output_dir, f"version_{version}")):
+    while True:
+        candidate = os.path.join(output_dir, f"version_{version}")
+        if not previous_run_files(candidate) and (not reserve or _reserve(candidate)):
+            return candidate
         version += 1
-    return os.path.join(output_dir, f"version_{version}")
+
+
+def _reserve(candidate: str) -> bool:
+    """Lock ``candidate`` for this run; False when a live run holds it or wrote its files meanwhile."""
+    if not reserve_directory(candidate):
+        return False
+    if previous_run_files(candidate):  # a run that took it and ended between the look and the lock
+        claim_run_lock(candidate, None).release()  # type: ignore[union-attr]
+        return False
+    return True
 
 
 def choose_run_directory(output_dir: str, in_use: str, checkpointer: "AbstractCheckpointer", backend: "TrainerBackend") -> str:
@@ -120,7 +136,7 @@ def choose_run_directory(output_dir: str, in_use: str, checkpointer: "AbstractCh
     def choose() -> str:
         if in_use != "new_version" or checkpointer.continues_existing_run() or not previous_run_files(output_dir):
             return output_dir
-        return free_version_dir(output_dir)
+        return free_version_dir(output_dir, reserve=True)
 
     return backend.run_on_rank_zero(choose, "failed to choose the run directory")
 
@@ -149,16 +165,19 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
 
 def locked_directories(output_dir: str, checkpointer: Any) -> List[Tuple[str, str]]:
     """``[(save_dir, "save_dir")]`` when the checkpointer's ``save_dir`` is a local directory
-    outside ``output_dir`` (the run lock covers it too), else empty.
+    other than ``output_dir``, inside it or not (the run locks it too: another run pointed at it
+    finds it held), else empty.
 
     Example:
         >>> class Checkpointer:
         ...     save_dir = "/runs/shared-checkpoints"
-        >>> locked_directories("/runs/a", Checkpointer()), locked_directories("/runs", Checkpointer())
+        >>> locked_directories("/runs/a", Checkpointer()), locked_directories("/runs/shared-checkpoints", Checkpointer())
         ([('/runs/shared-checkpoints', 'save_dir')], [])
+        >>> locked_directories("/runs/shared-checkpoints/..", Checkpointer())
+        [('/runs/shared-checkpoints', 'save_dir')]
     """
     save_dir = getattr(checkpointer, "save_dir", None)
     local, output = (local_path(str(save_dir)) if save_dir else None), local_path(str(output_dir))
-    if local is None or output is None or local == output or local.startswith(output.rstrip("/") + "/"):
+    if local is None or output is None or os.path.normpath(local) == os.path.normpath(output):
         return []
     return [(local, "save_dir")]

@@ -1,44 +1,86 @@
-"""One live run per output directory: a lock file held by the running run's rank zero.
+"""One live run per directory: a lock file held by the running run's rank zero, and one writer only.
 
-``<output_dir>/run.lock`` holds the holder's pid, host, start time and a heartbeat that a
-daemon thread refreshes every :data:`HEARTBEAT_SECONDS` (nothing in the training loop).
-A second run started on the same directory while the first lives (the same
-``resume="auto"`` command submitted twice) is refused before its first step, naming the
-holder. A lock whose holder is dead is taken over with a warning: on the same host when
-its pid is gone, when the process on that pid started after the lock was taken (the pid was
-reused), when it is this very process (a restarted container), or when its heartbeat is older
-than :data:`STALE_AFTER_SECONDS`; from another host when its heartbeat is that old. The run
-removes its lock when training ends, by an error too; a killed run leaves it, and the next run
-takes it over. A run whose ``save_dir`` lies outside ``output_dir`` locks that directory too.
+``<directory>/run.lock`` (:mod:`framework.run.lock_file`) names the holder: pid, host, process
+start time and a random token. It is written once; the holder's daemon thread touches it every
+:data:`HEARTBEAT_SECONDS` (nothing in the training loop), so its age is read on the filesystem's
+clock. A second run on a directory whose holder lives (the same ``resume="auto"`` command
+submitted twice) is refused before its first step, naming the holder. On the same host a holder
+lives while its pid lives with the recorded start time, however old its heartbeat (a run paused
+by SIGSTOP, a frozen cgroup or a suspended job is alive); a lock whose holder is gone (pid gone
+or reused, or from another host a heartbeat older than :data:`STALE_AFTER_SECONDS`), or whose
+fields do not parse, is taken over with a warning. A lock path that is not a regular file
+(a FIFO, a directory) is refused with a message naming it, never opened.
+
+Taking over is atomic: the taker hard-links the stale lock to a name made from its content and
+inode (only one taker gets that name), checks that the link is the lock it judged, renames its
+own complete lock file over it and reads back what it won. Of any number of takers, one wins.
+
+A run whose lock is taken over anyway (it was judged gone: stalled past the stale window as seen
+from another host) finds out at its next heartbeat, before every checkpoint write, rename and
+delete (:func:`check_lock_held`), and stops at its next step boundary with :class:`RunLockLost`,
+writing nothing more. Every local directory a run writes is locked (its ``output_dir`` and its
+``save_dir``, nested or not); a directory inside another live run's locked directory is refused,
+except that run's ``version_<N>`` folders (where a rerun goes, see
+:mod:`framework.run.run_directory`). A run removes its locks when training ends, by an error too;
+a killed run leaves them, and the next run takes them over.
 """
 
 import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
+import uuid
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+from framework.run.lock_file import (
+    LOCK_NAME,
+    START_TOLERANCE_SECONDS,
+    LockFile,
+    LockHolder,
+    OddLockFile,
+    process_start_time,
+    read_lock_file,
+    stale_reason,
+)
+from framework.run.lock_takeover import live_lock_around, replace_gone_lock
 
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
 
 logger = logging.getLogger("framework")
 
-LOCK_NAME = "run.lock"
+__all__ = [
+    "HEARTBEAT_SECONDS",
+    "LOCK_NAME",
+    "STALE_AFTER_SECONDS",
+    "START_TOLERANCE_SECONDS",
+    "LockHolder",
+    "RunLock",
+    "RunLockLost",
+    "RunLocked",
+    "RunLocks",
+    "check_lock_held",
+    "claim_run_lock",
+    "process_start_time",
+    "reserve_directory",
+]
+
 HEARTBEAT_SECONDS = 10.0
-"""How often the holder refreshes the lock's heartbeat."""
+"""How often the holder touches its lock (read when a :class:`RunLock` is made)."""
 STALE_AFTER_SECONDS = 120.0
-"""A lock whose heartbeat is older than this is taken over (its run is presumed dead), whatever
-process holds its pid now."""
-START_TOLERANCE_SECONDS = 2.0
-"""A process that started this much later than the lock was taken cannot have taken it (pid reuse)."""
+"""A lock of another host whose heartbeat is older than this is taken over (read when a :class:`RunLock` is made)."""
+_ATTEMPTS = 20
+_HELD: Dict[int, "RunLock"] = {}  # the locks this process holds, by id
+_RESERVED: Dict[str, "RunLock"] = {}  # directories locked before their run claims them (version_N), by real path
+_REGISTRY = threading.Lock()
 
 
 class RunLocked(RuntimeError):
-    """Another live run holds the output directory; the message names its pid and host.
+    """Another live run holds the directory; the message names its pid and host.
 
     Example:
         >>> raise RunLocked("output_dir 'runs/a' is in use by a live run (pid 4242 on host node1, ...)")
@@ -48,74 +90,25 @@ class RunLocked(RuntimeError):
     """
 
 
-@dataclass
-class LockHolder:
-    """Who holds a run lock: what ``run.lock`` holds (JSON)."""
-
-    pid: int
-    host: str
-    started: float
-    heartbeat: float
-
-    def describe(self) -> str:
-        """``pid 4242 on host node1, started ..., heartbeat 3 s ago`` (for messages)."""
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        return f"pid {self.pid} on host {self.host}, started {started}, heartbeat {time.time() - self.heartbeat:.0f} s ago"
-
-    def is_same(self, other: Optional["LockHolder"]) -> bool:
-        """True when ``other`` is this holder (same process, same start), heartbeat aside."""
-        return other is not None and (other.pid, other.host, other.started) == (self.pid, self.host, self.started)
-
-    def is_alive(self, stale_after: float) -> bool:
-        """False when the heartbeat is older than ``stale_after``; on this host also when the pid is
-        gone (or a zombie) or belongs to a process younger than the lock: a reused pid, or this very
-        process restarted with the pid of the run that took it (a container restart)."""
-        if time.time() - self.heartbeat > stale_after:
-            return False
-        if self.host != socket.gethostname():
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # another user's live process
-        started = process_start_time(self.pid)
-        if started is None:
-            return True
-        if isinstance(started, str):  # a zombie
-            return False
-        return started <= self.started + START_TOLERANCE_SECONDS
-
-
-def process_start_time(pid: int) -> Optional[Union[float, str]]:
-    """When the process ``pid`` started (seconds since the epoch), ``"zombie"``, or None when
-    ``/proc`` cannot tell (not Linux).
+class RunLockLost(RunLocked):
+    """This run's lock was taken over by another run: it stops and writes, renames and deletes nothing more.
 
     Example:
-        >>> started = process_start_time(os.getpid())
-        >>> started is None or time.time() - 3600 < started <= time.time()
-        True
+        >>> raise RunLockLost("the run lock runs/a/run.lock was taken over by another run (pid 4242 ...)")
+        Traceback (most recent call last):
+        ...
+        framework.run.run_lock.RunLockLost: the run lock runs/a/run.lock was taken over by another run (pid 4242 ...)
     """
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-        with open("/proc/stat") as handle:
-            boot = next(float(line.split()[1]) for line in handle if line.startswith("btime "))
-    except (OSError, IndexError, ValueError, StopIteration):
-        return None
-    if fields[0] == "Z":
-        return "zombie"
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat: start time in clock ticks
 
 
 class RunLock:
-    """The lock on one output directory, taken by :meth:`acquire`, given back by :meth:`release`.
+    """The lock on one directory, taken by :meth:`acquire`, checked by :meth:`check`, given back by :meth:`release`.
 
     Args:
         output_dir: the directory to lock (created when missing).
-        heartbeat_seconds: how often the background thread refreshes the heartbeat.
-        stale_after_seconds: age of a heartbeat after which its lock is taken over.
+        heartbeat_seconds: how often the background thread touches the lock (default :data:`HEARTBEAT_SECONDS`).
+        stale_after_seconds: age of another host's heartbeat after which its lock is taken over
+            (default :data:`STALE_AFTER_SECONDS`).
         what: what the directory is, for messages (``"output_dir"`` or ``"save_dir"``).
 
     Example:
@@ -126,124 +119,263 @@ class RunLock:
         Traceback (most recent call last):
         ...
         framework.run.run_lock.RunLocked: output_dir ... is in use by a live run (pid ...
+        >>> lock.check()  # still this run's: no error
         >>> lock.release()
     """
 
     def __init__(
         self,
         output_dir: str,
-        heartbeat_seconds: float = HEARTBEAT_SECONDS,
-        stale_after_seconds: float = STALE_AFTER_SECONDS,
+        heartbeat_seconds: Optional[float] = None,
+        stale_after_seconds: Optional[float] = None,
         what: str = "output_dir",
     ) -> None:
         self.output_dir = output_dir
         self.what = what
         self.option = "--checkpointer.save_dir" if what == "save_dir" else "--trainer.output_dir"
         self.path = os.path.join(output_dir, LOCK_NAME)
-        self.heartbeat_seconds = heartbeat_seconds
-        self.stale_after_seconds = stale_after_seconds
+        self.heartbeat_seconds = HEARTBEAT_SECONDS if heartbeat_seconds is None else heartbeat_seconds
+        self.stale_after_seconds = STALE_AFTER_SECONDS if stale_after_seconds is None else stale_after_seconds
         self.holder: Optional[LockHolder] = None
+        self.lost: Optional[str] = None
+        """Why this run no longer holds the lock (it was taken over), or None."""
+        self._on_lost: List[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    def acquire(self) -> None:
-        """Take the lock, or take over a dead holder's, and start the heartbeat.
+    # -- taking ---------------------------------------------------------------------------
+    def acquire(self, own_tokens: FrozenSet[str] = frozenset()) -> None:
+        """Take the lock, or take over a gone holder's, and start the heartbeat.
+
+        Args:
+            own_tokens: tokens of the other locks of the same run (an enclosing directory it holds).
 
         Raises:
-            RunLocked: a live run holds it (named by pid and host).
+            RunLocked: a live run holds it (named by pid and host), a live run holds a directory
+                around it, or the lock path is not a regular file.
         """
         os.makedirs(self.output_dir, exist_ok=True)
-        now = time.time()
-        mine = LockHolder(os.getpid(), socket.gethostname(), now, now)
-        for _ in range(3):
-            if self._create(mine):
-                self.holder = mine
-                self._stop.clear()
-                self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
-                self._thread.start()
-                return
-            holder = self._read()
-            if holder is not None and holder.is_alive(self.stale_after_seconds):
-                raise RunLocked(
-                    f"{self.what} {self.output_dir!r} is in use by a live run ({holder.describe()}; lock file "
-                    f"{self.path}): two runs in one directory would overwrite each other's checkpoints. Wait for that "
-                    f"run to end or stop it; a lock whose heartbeat is older than {self.stale_after_seconds:.0f} s is "
-                    f"taken over. To start another run, choose another {self.what} ({self.option})"
-                )
-            logger.warning(
-                "taking over the run lock %s left by a run that is gone (%s)",
-                self.path,
-                "unreadable lock file" if holder is None else holder.describe(),
-            )
-            taken = f"{self.path}.taken-{os.getpid()}"
+        for _ in range(_ATTEMPTS):
+            mine, candidate, filesystem_now = self._write_candidate()
             try:
-                os.rename(self.path, taken)  # atomic: of two runs taking it over, one wins
-                os.remove(taken)
-            except FileNotFoundError:
-                pass  # another run took it over first: try again
-        raise RunLocked(f"could not take the run lock {self.path}: other runs keep taking it")
-
-    def release(self) -> None:
-        """Stop the heartbeat and remove the lock file, if it is still this run's."""
-        if self.holder is None:
-            return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        holder, self.holder = self.holder, None
-        if holder.is_same(self._read()):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-
-    def _create(self, holder: LockHolder) -> bool:
-        """Create the lock file with ``holder`` in it, complete or not at all; False if it exists."""
-        temporary = self._write_temporary(holder)
+                taken = self._link(candidate) or self._take_over_if_gone(candidate, filesystem_now)
+                if taken and self._won(mine):
+                    break
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(candidate)
+            time.sleep(random.uniform(0.001, 0.01))
+        else:
+            raise RunLocked(f"could not take the run lock {self.path}: other runs keep taking it")
         try:
-            os.link(temporary, self.path)  # fails if the lock exists: never half-written, never replaced
+            self._refuse_inside_a_live_run(own_tokens | {mine.token})
+        except BaseException:
+            self.release()
+            raise
+
+    def _write_candidate(self) -> Tuple[LockHolder, str, float]:
+        """This run's complete lock file under a unique name, and the filesystem's time now (its mtime)."""
+        now = time.time()
+        started = process_start_time(os.getpid())
+        mine = LockHolder(os.getpid(), socket.gethostname(), now, now, started if isinstance(started, float) else None)
+        mine.token = uuid.uuid4().hex
+        candidate = f"{self.path}.{mine.token}.new"
+        descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(descriptor, json.dumps(mine.__dict__).encode())
+            filesystem_now = os.fstat(descriptor).st_mtime
+        finally:
+            os.close(descriptor)
+        return mine, candidate, filesystem_now
+
+    def _link(self, candidate: str) -> bool:
+        """Create the lock from ``candidate`` if there is none (atomic; never half-written)."""
+        try:
+            os.link(candidate, self.path)
             return True
         except FileExistsError:
             return False
-        finally:
-            os.remove(temporary)
 
-    def _write_temporary(self, holder: LockHolder) -> str:
-        temporary = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(temporary, "w") as handle:
-            json.dump(asdict(holder), handle)
-        return temporary
-
-    def _read(self) -> Optional[LockHolder]:
+    def _read(self) -> Optional[LockFile]:
         try:
-            with open(self.path) as handle:
-                return LockHolder(**json.load(handle))
-        except FileNotFoundError:
+            return read_lock_file(self.path)
+        except OddLockFile as error:
+            raise RunLocked(
+                f"{error}: a lock file is a regular file written by the framework. Nothing was opened or changed; "
+                f"remove {self.path} by hand if no run uses {self.what} {self.output_dir!r}, or choose another "
+                f"{self.what} ({self.option})"
+            ) from None
+
+    def _take_over_if_gone(self, candidate: str, filesystem_now: float) -> bool:
+        """Refuse when a live run holds the lock; take it over when its holder is gone (True when done)."""
+        current = self._read()
+        if current is None:
+            return False  # released meanwhile: try again
+        reason = stale_reason(current, filesystem_now, self.stale_after_seconds)
+        if reason is None:
+            raise RunLocked(
+                f"{self.what} {self.output_dir!r} is in use by a live run ({current.describe(filesystem_now)}; lock file "
+                f"{self.path}): two runs in one directory would overwrite each other's checkpoints. Wait for that "
+                f"run to end or stop it; on its host a lock is taken over once its process is gone, from elsewhere once "
+                f"its heartbeat is older than {self.stale_after_seconds:.0f} s. To start another run, choose another "
+                f"{self.what} ({self.option})"
+            )
+        try:
+            return replace_gone_lock(self.path, current, candidate, filesystem_now, self.stale_after_seconds, reason)
+        except FileExistsError as error:
+            raise RunLocked(f"{self.what} {self.output_dir!r}: {error}") from None
+
+    def _won(self, mine: LockHolder) -> bool:
+        """Read back what was won; start the heartbeat when it is this run's lock."""
+        current = self._read()
+        if current is None or current.holder is None or current.holder.token != mine.token:
+            return False
+        self.holder, self.lost = mine, None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
+        self._thread.start()
+        with _REGISTRY:
+            _HELD[id(self)] = self
+        return True
+
+    def _refuse_inside_a_live_run(self, own_tokens: FrozenSet[str]) -> None:
+        """Refuse this directory when a live run (not this one) holds a directory around it, except that run's ``version_<N>``."""
+        now = os.lstat(self.path).st_mtime
+        found = live_lock_around(self.output_dir, own_tokens, now, self.stale_after_seconds)
+        if found is not None:
+            parent, lock = found
+            raise RunLocked(
+                f"{self.what} {self.output_dir!r} lies inside {parent!r}, which a live run holds ({lock.describe(now)}; "
+                f"lock file {os.path.join(parent, LOCK_NAME)}): its retention and saves would touch this run's files. "
+                f"Choose a {self.what} outside it ({self.option})"
+            )
+
+    # -- holding ----------------------------------------------------------------------------
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the heartbeat thread) when the lock is found taken over."""
+        self._on_lost.append(callback)
+
+    def check(self) -> None:
+        """Raise :class:`RunLockLost` when this run held the lock and another run has taken it (reads the file).
+
+        Raises:
+            RunLockLost: the lock is another run's now (or was removed, or replaced).
+        """
+        if self.holder is not None and self.lost is None:
+            problem = self._not_mine()
+            if problem is not None:
+                self._lose(problem)
+        if self.lost is not None:
+            raise RunLockLost(self.lost)
+
+    def _not_mine(self) -> Optional[str]:
+        """How the lock file is no longer this run's, or None while it is."""
+        holder = self.holder
+        try:
+            current = read_lock_file(self.path)
+        except OddLockFile as error:
+            return f"replaced: {error}"
+        if current is None:
+            return "removed by someone else"
+        if holder is not None and current.holder is not None and current.holder.token == holder.token:
             return None
-        except (OSError, ValueError, TypeError):
-            return None  # damaged: treated as left by a dead run
+        now = time.time()
+        return f"taken over by another run ({current.describe(now)})"
+
+    def _lose(self, problem: str) -> None:
+        self.lost = (
+            f"the run lock {self.path} on {self.what} {self.output_dir!r} was {problem} while this run was stalled or "
+            f"paused (seen from elsewhere, its heartbeat was older than {self.stale_after_seconds:.0f} s): this run "
+            "stops at its next step boundary and writes, renames and deletes nothing more; the run that holds the "
+            "lock now continues in the directory"
+        )
+        logger.error("%s", self.lost)
+        for callback in self._on_lost:
+            callback()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_seconds):
-            holder = self.holder
-            if holder is None:
+            if self.holder is None or self.lost is not None:
                 return
-            current = self._read()
-            if not holder.is_same(current):
-                logger.warning("the run lock %s was taken over by another run (%s)", self.path, current and current.describe())
+            problem = self._not_mine()
+            if problem is not None:
+                self._lose(problem)
                 return
-            holder.heartbeat = time.time()
             try:
-                os.replace(self._write_temporary(holder), self.path)
+                os.utime(self.path)  # the heartbeat: the file's mtime, by the filesystem's clock
             except OSError as error:  # a full disk must not end the run
                 logger.debug("could not refresh the run lock's heartbeat: %s", error)
 
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock file, if it is still this run's."""
+        with _REGISTRY:
+            _HELD.pop(id(self), None)
+            for key, reserved in list(_RESERVED.items()):
+                if reserved is self:
+                    del _RESERVED[key]
+        if self.holder is None:
+            return
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        holder = self.holder
+        lost, self.holder = self.lost is not None, None
+        with contextlib.suppress(OSError, OddLockFile):
+            present = read_lock_file(self.path)
+            if not lost and present is not None and present.holder is not None and present.holder.token == holder.token:
+                os.remove(self.path)
+
+
+def check_lock_held(path: str) -> None:
+    """Raise :class:`RunLockLost` when a lock this process holds on ``path`` or a directory around
+    it was taken over (call before writing, renaming or deleting in ``path``; reads the lock files).
+
+    Example:
+        >>> import tempfile
+        >>> check_lock_held(tempfile.mkdtemp())  # no lock held there: nothing to check
+    """
+    target = os.path.realpath(path)
+    with _REGISTRY:
+        held = list(_HELD.values())
+    for lock in held:
+        directory = os.path.realpath(lock.output_dir)
+        if target == directory or target.startswith(directory.rstrip(os.sep) + os.sep):
+            lock.check()
+
+
+def reserve_directory(directory: str) -> bool:
+    """Lock ``directory`` now for the run this process is about to start there (a free ``version_<N>``):
+    True when locked, False when a live run holds it. :func:`claim_run_lock` adopts the lock.
+
+    Example:
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> reserve_directory(directory), reserve_directory(directory)
+        (True, False)
+        >>> claim_run_lock(directory, None).release()  # adopted, then given back
+    """
+    key = os.path.realpath(directory)
+    with _REGISTRY:
+        if key in _RESERVED:
+            return False
+    lock = RunLock(directory)
+    try:
+        lock.acquire()
+    except RunLocked:
+        return False
+    with _REGISTRY:
+        _RESERVED[key] = lock
+    return True
+
 
 class RunLocks:
-    """The locks one run holds (its ``output_dir``'s, and its ``save_dir``'s when that lies elsewhere).
+    """The locks one run holds (its ``output_dir``'s, and its ``save_dir``'s).
 
     Example:
         >>> import tempfile
         >>> locks = RunLocks([RunLock(tempfile.mkdtemp())])
         >>> locks.acquire()
+        >>> locks.check()
         >>> locks.release()
     """
 
@@ -251,20 +383,28 @@ class RunLocks:
         self.locks = list(locks)
 
     def acquire(self) -> None:
-        """Take every lock, or none (those taken are given back when one is refused).
+        """Take every lock (those already held, reserved, are kept), or none (given back when one is refused).
 
         Raises:
-            RunLocked: a live run holds one of the directories.
+            RunLocked: a live run holds one of the directories or one around them.
         """
-        taken: List[RunLock] = []
         try:
             for lock in self.locks:
-                lock.acquire()
-                taken.append(lock)
+                if lock.holder is None:
+                    lock.acquire(frozenset(other.holder.token for other in self.locks if other.holder is not None))
         except BaseException:
-            for lock in taken:
-                lock.release()
+            self.release()
             raise
+
+    def check(self) -> None:
+        """Raise :class:`RunLockLost` when another run has taken one of the locks."""
+        for lock in self.locks:
+            lock.check()
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from a heartbeat thread) when one of the locks is found taken over."""
+        for lock in self.locks:
+            lock.on_lost(callback)
 
     def release(self) -> None:
         """Give every lock back."""
@@ -272,10 +412,12 @@ class RunLocks:
             lock.release()
 
 
-def claim_run_lock(output_dir: str, backend: "TrainerBackend", also: Sequence[Tuple[str, str]] = ()) -> Optional[RunLocks]:
-    """Rank zero takes ``output_dir``'s lock and those of the local directories in ``also``
-    (``(directory, what)`` pairs, e.g. the checkpoints' ``save_dir``); every rank learns a
-    refusal (call on every rank).
+def claim_run_lock(
+    output_dir: str, backend: Optional["TrainerBackend"], also: Sequence[Tuple[str, str]] = ()
+) -> Optional[RunLocks]:
+    """Rank zero takes ``output_dir``'s lock (or adopts the one :func:`reserve_directory` took) and those of
+    the local directories in ``also`` (``(directory, what)`` pairs, e.g. the checkpoints' ``save_dir``);
+    every rank learns a refusal (call on every rank; ``backend`` None: one process).
 
     Returns:
         the locks on rank zero (release them when training ends), None on the other ranks.
@@ -287,13 +429,18 @@ def claim_run_lock(output_dir: str, backend: "TrainerBackend", also: Sequence[Tu
         locks = claim_run_lock(args.output_dir, trainer.backend, also=[(save_dir, "save_dir")])
     """
     locks, refusal = None, None
-    if backend.is_main_process:
-        locks = RunLocks([RunLock(output_dir), *(RunLock(directory, what=what) for directory, what in also)])
+    if backend is None or backend.is_main_process:
+        with _REGISTRY:
+            reserved = _RESERVED.pop(os.path.realpath(output_dir), None)
+        locks = RunLocks([reserved or RunLock(output_dir), *(RunLock(directory, what=what) for directory, what in also)])
         try:
             locks.acquire()
         except RunLocked as error:
             refusal = str(error)
-    refusal = backend.broadcast_object(refusal)  # a no-op on one rank
+    if backend is not None:
+        refusal = backend.broadcast_object(refusal)  # a no-op on one rank
     if refusal is not None:
-        raise RunLocked(refusal if backend.is_main_process else f"rank zero refused to start the run: {refusal}")
+        raise RunLocked(
+            refusal if backend is None or backend.is_main_process else f"rank zero refused to start the run: {refusal}"
+        )
     return locks

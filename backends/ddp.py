@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from backends.batch import map_tensors
+from backends.buffers import broadcast_buffers
 from backends.environments import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
 from backends.samplers import interleave_ranks
@@ -185,6 +186,14 @@ class DDP(Strategy):
             return module
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters)
+
+    def inference(self, module: torch.nn.Module) -> ContextManager:
+        """Evaluate on rank zero's buffers (see :mod:`backends.buffers`): DDP broadcast them at the
+        step's first forward and each rank has updated its own since (batch norm), so each rank
+        would evaluate other running statistics than the ones a checkpoint (rank zero's) keeps."""
+        if self.distributed:
+            broadcast_buffers(module)
+        return _NO_CONTEXT
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         if skip_gradient_sync and isinstance(wrapped, DistributedDataParallel):

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from backends.batch import map_tensors
+from backends.buffers import BufferBroadcast, broadcast_buffers
 from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, is_sharded_checkpoint
 from backends.ddp import DDP
 from backends.environments import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
-from backends.units import module_units, shard_groups
+from backends.units import module_units, shard_groups, units_tied_to_root
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class FSDP(DDP):
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype: Optional[torch.dtype] = None
         self._checkpoint_group: Any = None
+        self._buffer_owner: Optional[torch.nn.Module] = None  # the sharded root, whose buffers rank zero decides
+        self._buffer_rule: Optional[BufferBroadcast] = None
 
     @classmethod
     def from_arguments(cls, args: Optional[BackendArguments] = None) -> "FSDP":
@@ -126,6 +129,18 @@ class FSDP(DDP):
                 self.name,
                 type(target).__name__,
             )
+        tied = units_tied_to_root(target, units)
+        if tied:  # FSDP2 keeps a parameter in one group: these are sharded with the root instead
+            logger.warning(
+                "%s: %s shares parameters with the root (%s), so each is sharded with the root, whose parameters stay "
+                "gathered; to shard them one by one, keep the tied weight inside one unit (return a module holding "
+                "both ends from sharding_units())",
+                self.name,
+                ", ".join(f"unit {unit!r}" for unit in tied),
+                ", ".join(f"{unit}: {parameter}" for unit, parameter in tied.items()),
+            )
+            dropped = {id(target.get_submodule(name)) for name in tied}
+            units = [unit for unit in units if id(unit) not in dropped]
         broadcast_from_rank_zero(module)  # every rank then shards rank zero's weights, as DDP starts from them
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32 if self.param_dtype else None)
         if self.param_dtype is not None:  # batch norms keep fp32 weights beside their fp32 running statistics
@@ -139,6 +154,10 @@ class FSDP(DDP):
                 reshard_after_forward=self.reshard_after_forward,
             )
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        module.set_reduce_scatter_unused_params(True)  # type: ignore[operator]  # unused parameters: zeros, on every rank
+        self._buffer_owner = module
+        if any(not _is_dtensor(buffer) for buffer in module.buffers()):  # batch norm's running statistics: rank 0's
+            self._buffer_rule = BufferBroadcast(module)
         self.compile_units(target, units)  # after sharding: FSDP's hooks stay outside the compiled code
         logger.debug("rank %d: sharded %d unit(s) and the root over %d ranks", self.rank, len(units), mesh.size())
         return module
@@ -153,7 +172,7 @@ class FSDP(DDP):
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         if not skip_gradient_sync or not hasattr(wrapped, "set_requires_gradient_sync"):
             return contextlib.nullcontext()
-        return _without_gradient_sync(wrapped)
+        return _without_gradient_sync(wrapped, self._buffer_rule)
 
     def prepare_for_backward(self, wrapped: torch.nn.Module, loss: torch.Tensor) -> None:
         """Make a manual backward reduce-scatter every gradient, as the automatic one does.
@@ -186,9 +205,12 @@ class FSDP(DDP):
         forward (which would train on the stale copy), and ``module.parameters()`` would
         not be the parameters the optimizer holds. Resharding on entry too drops a copy
         gathered before the shards were changed (manual optimization keeps the root gathered).
+        Every rank evaluates rank zero's buffers (see :mod:`backends.buffers`).
         """
         if _fsdp_state(module) is None:
             return contextlib.nullcontext()
+        if self._buffer_rule is not None:
+            broadcast_buffers(module)
         return _resharded_around(module)
 
     def discard_gradients(self, module: torch.nn.Module) -> None:
@@ -216,6 +238,8 @@ class FSDP(DDP):
         their own, so they never interleave with training's."""
         from backends import sharded_checkpoint  # DCP: imported only when used
 
+        if self._buffer_owner is not None:  # every rank's buffers are rank zero's, which DCP may or may not write
+            broadcast_buffers(self._buffer_owner)
         group = None
         if copy and self.distributed:
             if self._checkpoint_group is None:
@@ -315,12 +339,16 @@ def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _without_gradient_sync(wrapped: Any) -> Iterator[None]:
+def _without_gradient_sync(wrapped: Any, buffer_rule: Optional[BufferBroadcast]) -> Iterator[None]:
     wrapped.set_requires_gradient_sync(False)
+    if buffer_rule is not None:
+        buffer_rule.gradient_sync = False
     try:
         yield
     finally:
         wrapped.set_requires_gradient_sync(True)
+        if buffer_rule is not None:
+            buffer_rule.gradient_sync = True
 
 
 @contextlib.contextmanager

@@ -14,6 +14,12 @@ def default_units(module: torch.nn.Module) -> List[torch.nn.Module]:
     ``module`` (a transformer's layers, kept in a list or, as torchtitan keeps them, in a dict),
     outermost first. Blocks without parameters (activations, a ``ModuleDict`` of metrics) are not units.
 
+    Lists and dicts inside a unit give no units of their own: a block's experts (a mixture of
+    experts keeps them in an ``nn.ModuleDict``) are sharded with the block. A rank whose router
+    sends no sample to an expert then still runs the block's one all-gather and reduce-scatter
+    (the unused expert's gradient reduced as zeros), where a unit of its own would have skipped
+    the collectives the other ranks run, and the ranks would hang.
+
     Example:
         >>> net = torch.nn.Module()
         >>> net.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
@@ -23,10 +29,15 @@ def default_units(module: torch.nn.Module) -> List[torch.nn.Module]:
         3
     """
     units: List[torch.nn.Module] = []
+    inside: set = set()  # ids of every module inside a unit already chosen
     for submodule in module.modules():
-        if isinstance(submodule, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-            blocks = submodule.values() if isinstance(submodule, torch.nn.ModuleDict) else submodule
-            units.extend(block for block in blocks if _holds_parameters(block) and all(block is not unit for unit in units))
+        if id(submodule) in inside or not isinstance(submodule, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue
+        blocks = submodule.values() if isinstance(submodule, torch.nn.ModuleDict) else submodule
+        for block in blocks:
+            if _holds_parameters(block) and id(block) not in inside:
+                units.append(block)
+                inside.update(id(inner) for inner in block.modules())
     return units
 
 
@@ -86,6 +97,52 @@ def shard_groups(units: List[torch.nn.Module]) -> List[List[torch.nn.Module]]:
         groups.setdefault(root(index), []).append(index)
     ordered = sorted(groups.values(), key=min, reverse=True)  # a group shards where its outermost unit would
     return [[units[index] for index in members] for members in ordered]
+
+
+def units_tied_to_root(module: torch.nn.Module, units: List[torch.nn.Module]) -> Dict[str, str]:
+    """The units (by name in ``module``) that share a parameter with ``module``'s root, the part of
+    it inside no unit (a block's weight tied to the embedding), each with the tied parameter's
+    root name. FSDP2 keeps a parameter in one group, so such a unit cannot be sharded on its
+    own: it is sharded with the root (its parameters gathered with the root's), and so is any
+    unit tied to it in turn.
+
+    Example:
+        >>> net = torch.nn.Module()
+        >>> net.embed = torch.nn.Linear(2, 2)
+        >>> net.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+        >>> net.blocks[1].weight = net.embed.weight
+        >>> units_tied_to_root(net, list(net.blocks))
+        {'blocks.1': 'embed.weight'}
+    """
+    names = {id(submodule): name for name, submodule in module.named_modules()}
+    tied: Dict[str, str] = {}
+    remaining = list(units)
+    while True:
+        inside = {id(inner) for unit in remaining for inner in unit.modules()}
+        root = {
+            id(parameter): f"{name}.{parameter_name}".lstrip(".")
+            for name, submodule in module.named_modules()
+            if id(submodule) not in inside
+            for parameter_name, parameter in submodule.named_parameters(recurse=False)
+        }
+        found = [
+            (unit, root[id(parameter)])
+            for group in shard_groups(remaining)
+            for unit in group
+            for parameter in unit.parameters()
+            if id(parameter) in root
+        ]
+        if not found:
+            return tied
+        for unit, parameter_name in found:
+            tied.setdefault(names.get(id(unit), type(unit).__name__), parameter_name)
+        dropped = {id(unit) for unit, _ in found}
+        for group in shard_groups(remaining):
+            ties = [tied[names[id(u)]] for u in group if id(u) in dropped and id(u) in names]
+            for unit in group if ties else ():
+                tied.setdefault(names.get(id(unit), type(unit).__name__), ties[0])  # tied to a unit tied to the root
+                dropped.add(id(unit))
+        remaining = [unit for unit in remaining if id(unit) not in dropped]
 
 
 def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:

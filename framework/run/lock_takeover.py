@@ -10,19 +10,54 @@ those microseconds is removed once older than the stale window.
 """
 
 import contextlib
+import json
 import logging
 import os
 import re
+import socket
 import time
+import uuid
 from typing import FrozenSet, Optional, Tuple
 
-from framework.run.lock_file import LOCK_NAME, LockFile, OddLockFile, read_lock_file, stale_reason
+from framework.run.lock_file import (
+    LOCK_NAME,
+    LockFile,
+    LockHolder,
+    OddLockFile,
+    process_start_time,
+    read_lock_file,
+    stale_reason,
+)
 
 logger = logging.getLogger("framework")
 
 VERSION_DIR = re.compile(r"^version_\d+$")
 """A rerun's folder inside another run's ``output_dir`` (see :mod:`framework.run.run_directory`)."""
 WAIT_FOR_TAKER_SECONDS = 2.0
+
+
+def write_candidate(path: str) -> Tuple[LockHolder, str, float]:
+    """This process's complete lock file for ``path`` under a unique name beside it, and the
+    filesystem's time now (that file's mtime).
+
+    Example:
+        >>> import tempfile
+        >>> holder, candidate, now = write_candidate(os.path.join(tempfile.mkdtemp(), LOCK_NAME))
+        >>> holder.pid == os.getpid() and candidate.endswith(holder.token + ".new")
+        True
+    """
+    now = time.time()
+    started = process_start_time(os.getpid())
+    mine = LockHolder(os.getpid(), socket.gethostname(), now, now, started if isinstance(started, float) else None)
+    mine.token = uuid.uuid4().hex
+    candidate = f"{path}.{mine.token}.new"
+    descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(descriptor, json.dumps(mine.__dict__).encode())
+        filesystem_now = os.fstat(descriptor).st_mtime
+    finally:
+        os.close(descriptor)
+    return mine, candidate, filesystem_now
 
 
 def replace_gone_lock(

@@ -11,9 +11,7 @@ or reused, or from another host a heartbeat older than :data:`STALE_AFTER_SECOND
 fields do not parse, is taken over with a warning. A lock path that is not a regular file
 (a FIFO, a directory) is refused with a message naming it, never opened.
 
-Taking over is atomic: the taker hard-links the stale lock to a name made from its content and
-inode (only one taker gets that name), checks that the link is the lock it judged, renames its
-own complete lock file over it and reads back what it won. Of any number of takers, one wins.
+Taking over is atomic (:mod:`framework.run.lock_takeover`): of any number of takers, one wins.
 
 A run whose lock is taken over anyway (it was judged gone: stalled past the stale window as seen
 from another host) finds out at its next heartbeat, before every checkpoint write, rename and
@@ -26,14 +24,11 @@ a killed run leaves them, and the next run takes them over.
 """
 
 import contextlib
-import json
 import logging
 import os
 import random
-import socket
 import threading
 import time
-import uuid
 from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from framework.run.lock_file import (
@@ -46,7 +41,7 @@ from framework.run.lock_file import (
     read_lock_file,
     stale_reason,
 )
-from framework.run.lock_takeover import live_lock_around, replace_gone_lock
+from framework.run.lock_takeover import live_lock_around, replace_gone_lock, write_candidate
 
 if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
@@ -154,9 +149,13 @@ class RunLock:
             RunLocked: a live run holds it (named by pid and host), a live run holds a directory
                 around it, or the lock path is not a regular file.
         """
-        os.makedirs(self.output_dir, exist_ok=True)
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+        except OSError as error:  # nothing can be written there: the run's first write reports it
+            logger.debug("not locking %s %s: %s", self.what, self.output_dir, error)
+            return
         for _ in range(_ATTEMPTS):
-            mine, candidate, filesystem_now = self._write_candidate()
+            mine, candidate, filesystem_now = write_candidate(self.path)
             try:
                 taken = self._link(candidate) or self._take_over_if_gone(candidate, filesystem_now)
                 if taken and self._won(mine):
@@ -172,21 +171,6 @@ class RunLock:
         except BaseException:
             self.release()
             raise
-
-    def _write_candidate(self) -> Tuple[LockHolder, str, float]:
-        """This run's complete lock file under a unique name, and the filesystem's time now (its mtime)."""
-        now = time.time()
-        started = process_start_time(os.getpid())
-        mine = LockHolder(os.getpid(), socket.gethostname(), now, now, started if isinstance(started, float) else None)
-        mine.token = uuid.uuid4().hex
-        candidate = f"{self.path}.{mine.token}.new"
-        descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(descriptor, json.dumps(mine.__dict__).encode())
-            filesystem_now = os.fstat(descriptor).st_mtime
-        finally:
-            os.close(descriptor)
-        return mine, candidate, filesystem_now
 
     def _link(self, candidate: str) -> bool:
         """Create the lock from ``candidate`` if there is none (atomic; never half-written)."""

@@ -186,3 +186,24 @@ def test_a_finished_run_resumed_says_nothing_is_left_to_do_and_which_settings_di
     train(tmp_path, epochs=1)  # the same command again: its settings are now the run's own
     said = [line for line in framework_log if "nothing to do" in line]
     assert len(said) == 1 and "the settings are the run's own" in said[0]
+
+
+def test_retention_renames_and_deletes_only_this_runs_checkpoints(tmp_path):
+    shared = tmp_path / "shared"
+    first = Trainer(ToyModule(n_train=64, scheduler=None), toy_args(tmp_path / "x", checkpoints(save_dir=str(shared)), epochs=3))
+    first.train()  # checkpoints at steps 2, 4, 6 of run x
+    theirs = {name: os.stat(shared / name).st_mtime_ns for name in os.listdir(shared)}
+    assert sorted(theirs) == ["checkpoint-000000002.pt", "checkpoint-000000004.pt", "checkpoint-000000006.pt"]
+    # another run fine-tunes from x's step 2 into the same save_dir, keeping only its newest
+    named = checkpoints(save_dir=str(shared), resume=None, load_filename=str(shared / "checkpoint-000000002.pt"), keep_last_n=1)
+    second = Trainer(ToyModule(n_train=64, scheduler=None), toy_args(tmp_path / "y", named, epochs=3))
+    second.train()  # writes steps 4 and 6 of its own: x's newer ones would be renamed .stale, older deleted
+    assert second.run_id != first.run_id
+    names = sorted(os.listdir(shared))
+    assert not [name for name in names if name.endswith(".stale")], names
+    assert {saved_run_id(shared / name) for name in names} == {first.run_id, second.run_id}
+    kept = {name for name in names if saved_run_id(shared / name) == first.run_id}
+    assert {name: os.stat(shared / name).st_mtime_ns for name in kept} == {
+        name: mtime for name, mtime in theirs.items() if name in kept
+    }
+    assert kept == {"checkpoint-000000002.pt"}  # 4 and 6 were overwritten by the second run's own saves of those steps

@@ -213,9 +213,9 @@ class DefaultCheckpointer(AbstractCheckpointer):
             if strategy.is_main_process:
                 logger.debug("wrote checkpoint %s", self._url(name))
                 args = self.args
-                apply_retention(
-                    self._fs, self._dir, checkpoint.global_step, self._scores, args.keep_last_n, args.keep_best_n, args.mode
-                )
+                run_id = checkpoint.trainer_state.get("run_id") if isinstance(checkpoint.trainer_state, dict) else None
+                step, scores = checkpoint.global_step, self._scores
+                apply_retention(self._fs, self._dir, step, scores, args.keep_last_n, args.keep_best_n, args.mode, run_id)
 
         if self.args.async_save:
             self._writer.submit(job)

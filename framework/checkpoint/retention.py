@@ -1,10 +1,20 @@
 """Checkpoint names in a save directory, and which of them a run keeps: the newest
-``keep_last_n``, the best ``keep_best_n`` by a metric, and none newer than the one just written."""
+``keep_last_n``, the best ``keep_best_n`` by a metric, and none newer than the one just written.
+
+Retention touches only this run's checkpoints: one that names another run id (a run that
+fine-tuned from this directory's checkpoints with ``load_dir``, or wrote here before) is left
+as it is, whatever its step (:func:`saved_run_id`; checkpoints written before run ids existed,
+and damaged ones, are treated as before).
+"""
 
 import logging
+import os
+import posixpath
 import re
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
 
 from framework.checkpoint import storage
 from framework.checkpoint.finite import best_first
@@ -102,8 +112,64 @@ class CheckpointScores:
             self._scores.update(scores)
 
 
+_RUN_IDS: Dict[Tuple[str, Any, Any], Optional[str]] = {}  # run id by (path, mtime, size): each file read once
+_RUN_IDS_LOCK = threading.Lock()
+_FOREIGN_SEEN: Set[str] = set()  # foreign checkpoints already reported
+
+
+def saved_run_id(fs: Any, path: str) -> Optional[str]:
+    """The run id recorded in the checkpoint at ``path`` (a file, or a directory of shards whose
+    ``state.pt`` holds it); None when it records none or cannot be read. Read once per file
+    version (local files memory-mapped: the tensors are not read).
+
+    Example:
+        >>> import tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "checkpoint-000000001.pt")
+        >>> torch.save({"trainer": {"run_id": "ab" * 16}}, path)
+        >>> saved_run_id(storage.resolve(path)[0], path) == "ab" * 16
+        True
+    """
+    target = path if basename(path).endswith(".pt") else posixpath.join(path.rstrip("/"), "state.pt")
+    local = storage._is_local(fs)
+    try:
+        if local:
+            status = os.stat(target)
+            key: Tuple[str, Any, Any] = (target, status.st_mtime_ns, status.st_size)
+        else:
+            info = fs.info(target)
+            key = (target, info.get("mtime") or info.get("LastModified") or info.get("ETag"), info.get("size"))
+    except (OSError, ValueError):
+        return None
+    with _RUN_IDS_LOCK:
+        if key in _RUN_IDS:
+            return _RUN_IDS[key]
+    try:
+        if local:
+            data = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            with fs.open(target, "rb") as handle:
+                data = torch.load(handle, map_location="cpu", weights_only=True)
+    except Exception:  # damaged, or not loadable without unpickling code: no run id known
+        data = None
+    state = data.get("trainer") if isinstance(data, dict) else None  # Checkpoint.to_dict()
+    found = state.get("run_id") if isinstance(state, dict) else None
+    run_id = found if isinstance(found, str) else None
+    with _RUN_IDS_LOCK:
+        if len(_RUN_IDS) > 4096:
+            _RUN_IDS.clear()
+        _RUN_IDS[key] = run_id
+    return run_id
+
+
 def apply_retention(
-    fs: Any, directory: str, written_step: int, scores: CheckpointScores, keep_last_n: Optional[int], keep_best_n: int, mode: str
+    fs: Any,
+    directory: str,
+    written_step: int,
+    scores: CheckpointScores,
+    keep_last_n: Optional[int],
+    keep_best_n: int,
+    mode: str,
+    run_id: Optional[str] = None,
 ) -> None:
     """Tidy ``directory`` after the checkpoint of ``written_step`` was written (on rank zero).
 
@@ -111,10 +177,13 @@ def apply_retention(
     from an older checkpoint: they are renamed ``<name>.stale`` (never resumed from again).
     Leftovers of killed saves are removed. With ``keep_last_n`` set, only the newest
     ``keep_last_n`` plus the best ``keep_best_n`` by their ``scores`` stay. Nothing is touched
-    when this run's lock on the directory was taken over (:class:`~framework.run.run_lock.RunLockLost`).
+    when this run's lock on the directory was taken over (:class:`~framework.run.run_lock.RunLockLost`),
+    and with ``run_id`` (this run's) no checkpoint that names another run id.
     """
     check_lock_held(directory)
     entries = checkpoint_entries(fs, directory)
+    if run_id is not None:
+        entries = [(step, path) for step, path in entries if _own(fs, path, run_id)]
     for step, path in entries:
         if step > written_step:
             logger.warning(
@@ -140,3 +209,19 @@ def apply_retention(
         if path not in keep:
             fs.rm(path, recursive=True)
             scores.forget(basename(path))
+
+
+def _own(fs: Any, path: str, run_id: str) -> bool:
+    """False (said once per file) when the checkpoint at ``path`` names another run id than ``run_id``."""
+    saved = saved_run_id(fs, path)
+    if saved is None or saved == run_id:
+        return True
+    if path not in _FOREIGN_SEEN:
+        _FOREIGN_SEEN.add(path)
+        logger.warning(
+            "checkpoint %s belongs to run %s, not to this run (%s): retention neither renames nor deletes it",
+            fs.unstrip_protocol(path),
+            saved,
+            run_id,
+        )
+    return False

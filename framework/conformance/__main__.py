@@ -1,5 +1,6 @@
 """``python -m framework.conformance BACKEND [--import MODULE] [--all]``: print the table of
-cells; exit 0 only when no cell fails (a cell the backend declares unsupported must be refused
+cells (``--mutants``: the mutation score of the mutant library instead); exit 0 only when no
+cell fails (a cell the backend declares unsupported must be refused
 before step 1; a known seam is reported, not failed)."""
 
 import argparse
@@ -8,7 +9,7 @@ from typing import List, Optional
 
 from framework.conformance.matrix import all_cells, quick_cells
 from framework.conformance.registry import FEATURES, MODELS
-from framework.conformance.runner import _renamed, conformance, format_table
+from framework.conformance.runner import _renamed, conformance, format_table, import_plugin
 
 
 def _names(text: Optional[str]) -> Optional[List[str]]:
@@ -17,7 +18,16 @@ def _names(text: Optional[str]) -> Optional[List[str]]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.conformance", description=__doc__)
-    parser.add_argument("backend", help="a registered backend name (built-in, entry point, or registered by --import)")
+    parser.add_argument(
+        "backend", nargs="?", default=None, help="a registered backend name (built-in, entry point, or registered by --import)"
+    )
+    parser.add_argument(
+        "--mutants",
+        action="store_true",
+        help="run the mutant library (framework.conformance.mutants) instead: each mutant on the cells that must kill "
+        "it (with --all: the quick set), its correct control on the same cells; print the mutation score",
+    )
+    parser.add_argument("--only", default=None, help="with --mutants: comma-separated mutant names (default: all)")
     parser.add_argument(
         "--import",
         dest="imports",
@@ -34,6 +44,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--workdir", default=None, help="where runs write (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the multi-rank run may take")
     options = parser.parse_args(argv)
+    if options.mutants:
+        return _mutants(options)
+    if options.backend is None:
+        parser.error("name a backend, or --mutants")
     features = _names(options.features) or (_renamed(_names(options.checks) or []) or None)
     models = _names(options.models)
     cells = all_cells(features, models) if options.all else quick_cells(features, models)
@@ -47,6 +61,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     print(format_table(options.backend, rows), flush=True)
     return 0 if rows and all(row.ok for row in rows) else 1
+
+
+def _mutants(options: argparse.Namespace) -> int:
+    from framework.conformance.mutation import format_mutants, run_mutants
+
+    for name in options.imports:
+        import_plugin(name)
+    mutants, controls = run_mutants(_names(options.only), every=options.all, workdir=options.workdir, timeout=options.timeout)
+    print(format_mutants(mutants, controls), flush=True)
+    passed = all(verdict.killed for verdict in mutants) and all(row.ok for verdict in controls for row in verdict.rows)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

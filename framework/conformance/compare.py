@@ -43,6 +43,22 @@ def _error(observed: Dict[str, Any]) -> Optional[str]:
 
 Verdict = Tuple[bool, str]
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error", "stopped: rank")
+"""What a rank's collective says when a peer's cell failed first (its group was then destroyed)."""
+
+
+def _errors(ranks: List[Dict[str, Any]], reference: Dict[str, Any]) -> str:
+    """Every rank's (and the reference's) error, the cause first: a rank's own error before the
+    errors of peers whose collectives broke because of it; ``""`` when there is none."""
+    found = [(f"rank {index}", _error(rank)) for index, rank in enumerate(ranks)] + [("reference", _error(reference))]
+    errors = [(who, error) for who, error in found if error]
+    errors.sort(key=lambda item: any(text in item[1] for text in _PEER_GONE))
+    parts: List[str] = []
+    for who, error in errors:
+        if not any(error == seen.split(": ", 1)[-1] for seen in parts):
+            parts.append(error if (who == "rank 0" and len(errors) == 1) else f"{who}: {error}")
+    return "; ".join(parts)
+
 
 def _compared(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str, tolerance: float) -> Verdict:
     having = [rank for rank in ranks if key in rank]
@@ -99,10 +115,9 @@ def judge(
         if errors or not all(refusals):
             return Row(cell, size, "FAIL", errors[0] if errors else "declared unsupported but not refused", "refused")
         return Row(cell, size, "REFUSED", f"{declared}: {refusals[0]}", "before step 1")
-    for who, observed in [*((f"rank {index}", rank) for index, rank in enumerate(ranks)), ("reference", reference)]:
-        error = _error(observed)
-        if error:
-            return Row(cell, size, "FAIL", error if who == "rank 0" else f"{who}: {error}", shown)
+    failure = _errors(ranks, reference)
+    if failure:
+        return Row(cell, size, "FAIL", failure, shown)
     verdicts = _own_checks(ranks)
     verdicts += [_exact(ranks, reference, key) for key in feature.exact]
     verdicts += [_compared(ranks, reference, key, tolerance) for key in feature.compare]

@@ -24,6 +24,7 @@ def _trained(
         "state": full_state(trainer),
         "dtype": (module.compute_dtypes or ["-"])[0],
         "setup": list(module.setup_saw) == [context.rank, context.world_size],
+        "logged": trainer.history.values("train_loss_epoch"),
         "accumulation": trainer.gradient_accumulation,
         "data_parallel_size": trainer.backend.data_parallel_size,
         "self": [
@@ -33,7 +34,7 @@ def _trained(
     }
 
 
-@register_feature("automatic", exact=("dtype", "setup"), quick=True)
+@register_feature("automatic", compare=("state", "logged"), exact=("dtype", "setup"), quick=True)
 def automatic(context: Context, model: str) -> Dict[str, Any]:
     """Automatic optimization: global batch 16, one micro-batch per rank; the module's setup()
     sees its rank, train_step computes in the reference's dtype, every block is a unit."""
@@ -48,8 +49,10 @@ def accumulation(context: Context, model: str) -> Dict[str, Any]:
 
 @register_feature("clipping", quick=True)
 def clipping(context: Context, model: str) -> Dict[str, Any]:
-    """Accumulation and gradient clipping (max_grad_norm=0.3): gradients unscaled and averaged first."""
-    return _trained(context, model, "clipping", gpu_batch_size_limit=4, clip_grads=True, max_grad_norm=0.3)
+    """Accumulation, two optimizers and gradient clipping (max_grad_norm=0.3): every optimizer's
+    gradients unscaled and averaged first."""
+    options = {"optimizers": 2}
+    return _trained(context, model, "clipping", options, gpu_batch_size_limit=4, clip_grads=True, max_grad_norm=0.3)
 
 
 @register_feature("manual", quick=True)

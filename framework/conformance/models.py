@@ -64,6 +64,8 @@ class KitNet(ModuleInterface):
             detached features).
         fits: the largest micro-batch whose ``train_step`` "fits in memory" (a larger one
             raises ``torch.OutOfMemoryError``, for ``gpu_batch_size_limit="auto"``).
+        optimizers: under automatic optimization, 1 (SGD over everything) or 2 (SGD for the
+            body, Adam for the head: a precision must unscale, clip and step each of them).
 
     Example:
         >>> net = KitNet(samples=8)
@@ -84,6 +86,7 @@ class KitNet(ModuleInterface):
         loader: str = "sampler",
         manual: bool = False,
         fits: Optional[int] = None,
+        optimizers: int = 1,
     ) -> None:
         super().__init__()
         self.build()
@@ -93,6 +96,9 @@ class KitNet(ModuleInterface):
         self.nan_at_step = nan_at_step
         self.loader = loader
         self.fits = fits
+        if optimizers not in (1, 2):
+            raise ValueError(f"optimizers={optimizers!r} is invalid; allowed: 1, 2")
+        self.optimizer_count = optimizers
         if manual:
             self.automatic_optimization = False
         self.compute_dtypes: List[str] = []
@@ -128,7 +134,7 @@ class KitNet(ModuleInterface):
         return {"blocks.0": ColwiseParallel(), "blocks.1": RowwiseParallel()}
 
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Any:
-        if self.automatic_optimization:
+        if self.automatic_optimization and self.optimizer_count == 1:
             return [torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)], []
         head = {id(parameter) for parameter in self.head.parameters()}
         body = [parameter for parameter in self.parameters() if id(parameter) not in head]

@@ -2,13 +2,8 @@
 process, the backend on 1 rank here and on 2 ranks in one process group (gloo on CPU, NCCL
 where there is a GPU per rank) that runs every cell in sequence."""
 
-import importlib
-import importlib.util
 import os
-import sys
 import tempfile
-import time
-import traceback
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -19,6 +14,7 @@ from backends.registry import _registry
 from framework.conformance.checks import Cell, Context, cell_key, run_cells
 from framework.conformance.compare import Row, judge
 from framework.conformance.matrix import known_seam, quick_cells
+from framework.conformance.ranks import import_plugin, run_ranks
 from framework.conformance.registry import FEATURES, MODELS
 
 FP32_TOLERANCE = 1e-5
@@ -27,85 +23,6 @@ LOWER_PRECISION_TOLERANCE = 5e-2
 """The same when the backend computes in bf16/fp16: rounding differs per layout."""
 _ONE_CPU_PROCESS = SimpleNamespace(use_gpu=False, cluster="local")
 """Backend options for looking at a backend in the kit's own process: CPU, no launcher."""
-
-
-def import_plugin(name: str) -> None:
-    """Import ``name``: a module name on ``sys.path`` or a ``.py`` file (registers its backends)."""
-    if name.endswith(".py") or os.sep in name:
-        path = os.path.abspath(name)
-        module_name = os.path.splitext(os.path.basename(path))[0]
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"--import {name}: not a Python file that can be imported")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    else:
-        importlib.import_module(name)
-
-
-def _rank_main(rank: int, world_size: int, port: int, context: Context, cells: List[Cell], imports: List[str]) -> None:
-    """One rank of the multi-rank run: join the process group once, run every cell, save what it saw."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    import torch.distributed as dist
-
-    for name in imports:
-        import_plugin(name)
-    use_gpu = torch.cuda.device_count() >= world_size
-    if use_gpu:
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if use_gpu else "gloo", rank=rank, world_size=world_size)
-    try:
-        here = Context(**{**context.__dict__, "rank": rank, "world_size": world_size, "use_gpu": use_gpu})
-        observed = run_cells(here, cells)
-    except BaseException:
-        observed = {"error": traceback.format_exc()}
-    torch.save(observed, os.path.join(context.workdir, f"observed-rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    time.sleep(0.2)  # let gloo's threads release the GIL before the interpreter exits (see DDP.teardown)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run_ranks(context: Context, cells: List[Cell], imports: List[str], world_size: int, timeout: float) -> List[Dict[str, Any]]:
-    """The cells on ``world_size`` spawned ranks; each rank's observations (an error entry when it died or hung)."""
-    os.makedirs(context.workdir, exist_ok=True)
-    spawn = torch.multiprocessing.get_context("spawn")
-    port = _free_port()
-    processes = [
-        spawn.Process(target=_rank_main, args=(rank, world_size, port, context, cells, imports)) for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(timeout)
-    hung = [process for process in processes if process.is_alive()]
-    for process in hung:
-        process.kill()
-        process.join()
-    results = []
-    keys = [cell_key(*cell) for cell in cells]
-    for rank in range(world_size):
-        path = os.path.join(context.workdir, f"observed-rank{rank}.pt")
-        if os.path.exists(path):
-            observed = torch.load(path, weights_only=False)  # written by this run's own ranks
-        else:
-            why = f"hung for more than {timeout:g} s" if hung else f"exited with status {processes[rank].exitcode}"
-            observed = {"error": f"rank {rank} {why}"}
-        if isinstance(observed.get("error"), str):
-            message = observed.pop("error").strip().splitlines()[-1]
-            observed.update({key: {"error": message} for key in keys})
-        results.append(observed)
-    return results
 
 
 def built_in_backends() -> List[str]:
@@ -145,7 +62,8 @@ ReferenceCache = Dict[Tuple[str, str], Dict[str, Any]]
 """Reference observations by (reference backend, cell key), shared by several backends' runs."""
 
 
-def _reference(name: str, cells: List[Cell], workdir: str, cache: ReferenceCache) -> Dict[str, Any]:
+def reference_observations(name: str, cells: List[Cell], workdir: str, cache: ReferenceCache) -> Dict[str, Any]:
+    """The reference backend ``name``'s observations of ``cells`` (run here, once: ``cache`` keeps them)."""
     missing = [cell for cell in cells if (name, cell_key(*cell)) not in cache]
     if missing:
         context = Context(name, os.path.join(workdir, "reference"), shared=workdir)
@@ -180,7 +98,7 @@ def conformance(
     lower_precision = compute_dtype(backend) is not None or reference_name != "sp"  # autocast or true bf16
     workdir = workdir or tempfile.mkdtemp(prefix="conformance-")
     cache: ReferenceCache = reference_cache if reference_cache is not None else {}
-    reference = _reference(reference_name, [cell for cell in cells if cell[0] not in declared], workdir, cache)
+    reference = reference_observations(reference_name, [cell for cell in cells if cell[0] not in declared], workdir, cache)
     rows: List[Row] = []
     needs_one = any(cell[0] == "world_size_change" or max(world_sizes) not in MODELS[cell[1]].ranks for cell in cells)
     for world_size in sorted(set(world_sizes) | ({1} if multi and needs_one else set())):
@@ -194,20 +112,42 @@ def conformance(
             ranks = [reference] if backend == reference_name else [run_cells(context, sized)]
         else:
             ranks = run_ranks(context, sized, list(imports), world_size, timeout)
+        rows += judge_cells(backend, sized, ranks, reference, world_size, lower_precision)
+    return rows
+
+
+def tolerance_for(backend: str, world_size: int) -> float:
+    """How far ``backend``'s cells at ``world_size`` may be from the reference: bitwise on 1 rank
+    (the reference is the same computation), else summation order (fp32) or rounding (bf16/fp16)."""
+    if world_size == 1:
+        return 0.0
+    lower = compute_dtype(backend) is not None or reference_backend(backend) != "sp"  # autocast or true bf16
+    return LOWER_PRECISION_TOLERANCE if lower else FP32_TOLERANCE
+
+
+def judge_cells(
+    backend: str,
+    cells: Sequence[Cell],
+    ranks: List[Dict[str, Any]],
+    reference: Dict[str, Any],
+    world_size: int,
+    lower_precision: Optional[bool] = None,
+) -> List[Row]:
+    """The rows of ``cells`` from every rank's observations (``ranks``) and the reference's."""
+    instance = build_backend(backend)
+    declared = instance.declared_unsupported_features
+    if lower_precision is None:
+        tolerance = tolerance_for(backend, world_size)
+    else:
         tolerance = 0.0 if world_size == 1 else LOWER_PRECISION_TOLERANCE if lower_precision else FP32_TOLERANCE
-        for feature, model in sized:
-            key = cell_key(feature, model)
-            observed = [rank.get(key, {"error": "not run"}) for rank in ranks]
-            row = judge(
-                FEATURES[feature],
-                key,
-                observed,
-                reference.get(key, {}),
-                tolerance,
-                instance.resume_tolerance,
-                declared.get(feature),
-            )
-            rows.append(_with_known_seam(row, feature, model, backend, world_size))
+    rows = []
+    for feature, model in cells:
+        key = cell_key(feature, model)
+        observed = [rank.get(key, {"error": "not run"}) for rank in ranks]
+        row = judge(
+            FEATURES[feature], key, observed, reference.get(key, {}), tolerance, instance.resume_tolerance, declared.get(feature)
+        )
+        rows.append(_with_known_seam(row, feature, model, backend, world_size))
     return rows
 
 

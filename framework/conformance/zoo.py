@@ -19,6 +19,10 @@ from framework.conformance.registry import register_model
 register_model("mlp", quick=True)(KitNet)
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def _whole_between_blocks(self: KitNet) -> Dict[str, Any]:
     """A tensor-parallel plan for a shape that works on whole features between its blocks: the
     second block split by columns, its output gathered whole again."""
@@ -30,7 +34,10 @@ def _whole_between_blocks(self: KitNet) -> Dict[str, Any]:
 
 @register_model("buffers", quick=True)
 class WithBuffers(KitNet):
-    """A rotary cos/sin cache (float buffers of several elements) and a permutation (an integer buffer)."""
+    """A rotary cos/sin cache (float buffers of several elements) and a permutation (an integer
+    buffer), built differently on every rank but zero (as a buffer computed from the rank, or
+    from an unseeded generator): only a backend that gives every rank rank zero's buffers
+    trains as ``sp``."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -44,6 +51,12 @@ class WithBuffers(KitNet):
         self.register_buffer("cos", torch.cos(angles))
         self.register_buffer("sin", torch.sin(angles))
         self.register_buffer("order", torch.arange(WIDTH - 1, -1, -1))
+        rank = _rank()
+        if rank:  # every rank but zero starts from buffers of its own: a backend must give it rank zero's
+            with torch.no_grad():
+                self.cos.add_(0.25 * rank)
+                self.sin.mul_(1.0 + 0.5 * rank)
+            self.order = torch.roll(self.order, rank)
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.blocks[0](x))
@@ -166,7 +179,7 @@ class PerRankInit(KitNet):
 
     def build(self) -> None:
         super().build()
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = _rank()
         generator = torch.Generator().manual_seed(1234 + 7919 * rank)
         with torch.no_grad():
             for parameter in self.blocks.parameters():

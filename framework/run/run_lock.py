@@ -329,19 +329,25 @@ def check_lock_held(path: str) -> None:
 
 def reserve_directory(directory: str) -> bool:
     """Lock ``directory`` now for the run this process is about to start there (a free ``version_<N>``):
-    True when locked, False when a live run holds it. :func:`claim_run_lock` adopts the lock.
+    True when locked (or already reserved by this process: a start that failed before adopting it),
+    False when a live run holds it. :func:`claim_run_lock` adopts the lock.
 
     Example:
         >>> import tempfile
         >>> directory = tempfile.mkdtemp()
         >>> reserve_directory(directory), reserve_directory(directory)
-        (True, False)
+        (True, True)
+        >>> RunLock(directory).acquire()  # another run
+        Traceback (most recent call last):
+        ...
+        framework.run.run_lock.RunLocked: output_dir ... is in use by a live run (pid ...
+        >>> claim_run_lock(directory, None).release()  # adopted, then given back
         >>> claim_run_lock(directory, None).release()  # adopted, then given back
     """
     key = os.path.realpath(directory)
     with _REGISTRY:
         if key in _RESERVED:
-            return False
+            return True
     lock = RunLock(directory)
     try:
         lock.acquire()

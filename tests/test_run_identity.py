@@ -5,6 +5,7 @@ Real trainers write real files; a checkpoint is "copied in" from another run wit
 
 import os
 import shutil
+from typing import ClassVar, List
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from distributed import run_ranks
 from toy import ToyModule, toy_args
 
 from framework import Trainer
-from framework.checkpoint import DefaultCheckpointerArguments
+from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments
 from framework.run.config import parse_config
 from framework.run.run_identity import ForeignCheckpoint, recorded_run_id
 
@@ -207,3 +208,33 @@ def test_retention_renames_and_deletes_only_this_runs_checkpoints(tmp_path):
         name: mtime for name, mtime in theirs.items() if name in kept
     }
     assert kept == {"checkpoint-000000002.pt"}  # 4 and 6 were overwritten by the second run's own saves of those steps
+
+
+class RecordingCheckpointer(DefaultCheckpointer):
+    """Records the name of every file it serializes into (the temporary name of each save)."""
+
+    written: ClassVar[List[str]] = []
+
+    def serialize(self, obj, handle):
+        RecordingCheckpointer.written.append(os.path.basename(getattr(handle, "name", "")))
+        super().serialize(obj, handle)
+
+
+def test_temporaries_name_their_run_and_cleanup_removes_only_this_runs_and_unnamed_ones(tmp_path):
+    first = train(tmp_path, epochs=1)
+    folder = tmp_path / "run" / "checkpoints"
+    uuid_hex = "0" * 32
+    own = f".checkpoint-000000009.pt.{first.run_id}{uuid_hex}.tmp"  # its own killed save
+    theirs = f".checkpoint-000000009.pt.{'cd' * 16}{uuid_hex}.tmp"  # another run's, perhaps being written
+    unnamed = f".checkpoint-000000009.pt.{uuid_hex}.tmp"  # written before temporaries named their run
+    for name in (own, theirs, unnamed):
+        (folder / name).write_bytes(b"partial")
+    RecordingCheckpointer.written = []
+    named = checkpoints(save_dir=str(folder))
+    checkpointer = RecordingCheckpointer(named)
+    resumed = Trainer(ToyModule(n_train=64, scheduler="step"), toy_args(tmp_path, named, epochs=2), checkpointer=checkpointer)
+    resumed.train()  # resume="auto": the same run, one more epoch
+    assert resumed.run_id == first.run_id
+    assert RecordingCheckpointer.written and all(f".{first.run_id}" in name for name in RecordingCheckpointer.written)
+    hidden = sorted(name for name in os.listdir(folder) if name.startswith("."))
+    assert hidden == [theirs]  # its own and the unnamed leftover removed; the other run's left

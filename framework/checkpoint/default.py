@@ -165,8 +165,8 @@ class DefaultCheckpointer(AbstractCheckpointer):
                     f"save_dir {self.save_dir!r} already holds checkpoints of another run ({shown}) and this run does "
                     f"not resume it, so it would overwrite them; {ways_on(where)}"
                 )
-        for path in entries:
-            if ANY_TEMPORARY.match(basename(path)):  # left by a process killed while saving
+        for path in entries:  # a temporary naming a run is left to that run's retention (which knows its id)
+            if ANY_TEMPORARY.match(basename(path)) and storage.temporary_run_id(basename(path)) is None:
                 logger.info("removing %s, left by a save that did not finish", self._fs.unstrip_protocol(path))
                 self._fs.rm(path, recursive=True)
         self._prepared = True
@@ -202,18 +202,20 @@ class DefaultCheckpointer(AbstractCheckpointer):
             return None
         self._check_metric(checkpoint.metrics, checkpoint.global_step)
         self._scores.record(name, checkpoint.metrics.get(self.args.metric))
-        write = strategy.save_checkpoint(self._url(name), checkpoint.to_dict(), self._io, copy=self.args.async_save)
+        run_id = checkpoint.trainer_state.get("run_id") if isinstance(checkpoint.trainer_state, dict) else None
+        with storage.temporaries_of(run_id):  # its temporary names carry the run id: cleanups know whose they are
+            write = strategy.save_checkpoint(self._url(name), checkpoint.to_dict(), self._io, copy=self.args.async_save)
 
         def job() -> None:
             try:
-                write()
+                with storage.temporaries_of(run_id):
+                    write()
             except BaseException:
                 self._scores.forget(name)
                 raise
             if strategy.is_main_process:
                 logger.debug("wrote checkpoint %s", self._url(name))
                 args = self.args
-                run_id = checkpoint.trainer_state.get("run_id") if isinstance(checkpoint.trainer_state, dict) else None
                 step, scores = checkpoint.global_step, self._scores
                 apply_retention(self._fs, self._dir, step, scores, args.keep_last_n, args.keep_best_n, args.mode, run_id)
 

@@ -197,7 +197,8 @@ def apply_retention(
             fs.mv(path, path + STALE_SUFFIX, recursive=True)
     paths = [path for step, path in entries if step <= written_step]
     for path in storage.list_files(fs, directory):
-        if _CHECKPOINT_TEMPORARY.match(basename(path)):  # left by a process killed while saving
+        tagged = storage.temporary_run_id(basename(path))  # the run that wrote it, when its name says
+        if _CHECKPOINT_TEMPORARY.match(basename(path)) and (run_id is None or tagged in (None, run_id)):
             fs.rm(path)
     if keep_last_n is None:
         return

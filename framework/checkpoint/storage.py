@@ -17,15 +17,18 @@ backoff, then raise it: a storage error never looks like "no checkpoint" or "dam
 A failed write raises :class:`CheckpointWriteError`, naming the file and the OS error.
 """
 
+import contextlib
+import contextvars
 import errno
 import logging
 import os
 import pickle
 import posixpath
+import re
 import time
 import uuid
 import zipfile
-from typing import IO, TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple, TypeVar, cast
 
 import torch
 
@@ -127,9 +130,36 @@ def same_location(first: str, second: str) -> bool:
     return fs_a.unstrip_protocol(path_a.rstrip("/")) == fs_b.unstrip_protocol(path_b.rstrip("/"))
 
 
+_WRITING_RUN: "contextvars.ContextVar[str]" = contextvars.ContextVar("writing_run", default="")
+
+
+@contextlib.contextmanager
+def temporaries_of(run_id: Optional[str]) -> Iterator[None]:
+    """Temporary names made inside carry ``run_id`` (32 hex digits), so a cleanup knows whose they are
+    (see :func:`temporary_run_id`); another value is left out."""
+    token = _WRITING_RUN.set(run_id if isinstance(run_id, str) and re.fullmatch("[0-9a-f]{32}", run_id) else "")
+    try:
+        yield
+    finally:
+        _WRITING_RUN.reset(token)
+
+
 def temporary_name(name: str) -> str:
-    """A fresh temporary file name for a file that will be called ``name``."""
-    return f".{name}.{uuid.uuid4().hex}{TEMPORARY_SUFFIX}"
+    """A fresh temporary file name for a file that will be called ``name`` (with the writing run's id
+    inside :func:`temporaries_of`).
+
+    Example:
+        >>> with temporaries_of("ab" * 16):
+        ...     temporary_run_id(temporary_name("checkpoint-000000001.pt")) == "ab" * 16
+        True
+    """
+    return f".{name}.{_WRITING_RUN.get()}{uuid.uuid4().hex}{TEMPORARY_SUFFIX}"
+
+
+def temporary_run_id(name: str) -> Optional[str]:
+    """The run id in a temporary file's name, or None when it carries none (written before it did)."""
+    match = re.search(r"\.([0-9a-f]{64})" + re.escape(TEMPORARY_SUFFIX) + "$", name)
+    return match.group(1)[:32] if match else None
 
 
 def write_atomically(fs: "fsspec.AbstractFileSystem", path: str, obj: Any, serializer: Serializer = torch.save) -> None:

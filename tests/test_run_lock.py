@@ -331,3 +331,26 @@ def test_a_run_whose_lock_was_taken_over_stops_at_its_next_step_boundary(tmp_pat
         trainer.train()
     assert 2 < trainer.global_steps_finished < 10  # of 80: stopped a heartbeat or two after the takeover
     assert not (run / "checkpoints").exists() or os.listdir(run / "checkpoints") == []  # released: still its own
+
+
+def test_a_fifo_swapped_in_after_the_lstat_is_refused_not_waited_on(tmp_path, monkeypatch):
+    from framework.run import lock_file
+
+    regular = tmp_path / "regular"
+    regular.write_text("{}")
+    path = tmp_path / LOCK_NAME
+    os.mkfifo(path)  # what the open finds: the lstat below saw a regular file (a swap between the two)
+    real_lstat = os.lstat
+    monkeypatch.setattr(lock_file.os, "lstat", lambda p: real_lstat(regular) if str(p) == str(path) else real_lstat(p))
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(catch(lock_file.read_lock_file, str(path))), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert outcome and isinstance(outcome[0], lock_file.OddLockFile) and "is a FIFO, not a regular file" in str(outcome[0])
+
+
+def catch(function, *arguments):
+    try:
+        return function(*arguments)
+    except Exception as error:  # handed to the test
+        return error

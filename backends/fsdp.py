@@ -17,6 +17,7 @@ from backends.buffers import BufferBroadcast, broadcast_buffers
 from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, is_sharded_checkpoint
 from backends.ddp import DDP
 from backends.environments import ClusterEnvironment
+from backends.meta_init import configure_model, materialize
 from backends.options import BackendArguments, option, strategy_options
 from backends.units import module_units, shard_groups, units_tied_to_root
 
@@ -111,16 +112,15 @@ class FSDP(DDP):
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Shard every unit of the user's module, then the root (``module``: the step runner)."""
         target = getattr(module, "module", module)  # the StepRunner's ModuleInterface
+        configure_model(target, on_meta=True)  # layers it builds take no memory until sharded
         units = module_units(target)
-        if not self.distributed:
+        mesh = self.sharding_mesh(target) if self.distributed else None
+        if mesh is None:  # nothing to shard over (one data-parallel rank)
+            materialize(target, self.device)
             self.compile_units(target, units)
             return module
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = self.sharding_mesh(target)
-        if mesh is None:  # nothing to shard over (one data-parallel rank)
-            self.compile_units(target, units)
-            return module
         if not units:
             logger.warning(
                 "%s: %s has no sharding units (sharding_units() returned none and it holds no nn.ModuleList or "
@@ -154,6 +154,7 @@ class FSDP(DDP):
                 reshard_after_forward=self.reshard_after_forward,
             )
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        materialize(target, self.device)  # meta-built layers: each rank allocates and initializes its shards
         module.set_reduce_scatter_unused_params(True)  # type: ignore[operator]  # unused parameters: zeros, on every rank
         self._buffer_owner = module
         if any(not _is_dtensor(buffer) for buffer in module.buffers()):  # batch norm's running statistics: rank 0's
@@ -332,7 +333,7 @@ def broadcast_from_rank_zero(module: torch.nn.Module) -> None:
         return
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            if _is_dtensor(tensor):
+            if _is_dtensor(tensor) or tensor.is_meta:  # meta: initialized alike on every rank once allocated
                 continue
             data = torch.view_as_real(tensor.data) if tensor.is_complex() else tensor.data
             dist.broadcast(data, src=0)

@@ -16,6 +16,7 @@ import torch
 from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
 from backends.environments import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
 from backends.gradient_clipping import clip_gradients
+from backends.meta_init import configure_model, has_meta_tensors, materialize
 from backends.options import BackendArguments, strategy_options
 from backends.samplers import ResumableSampler
 from backends.streams import shard_stream
@@ -198,8 +199,15 @@ class Strategy:
         return shard_stream(loader, self.data_parallel_rank, self.data_parallel_size)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """The module that training forwards go through (``module``: the step runner)."""
+        """The module that training forwards go through (``module``: the step runner). Calls the
+        module's ``configure_model()`` first, and allocates and initializes layers built on the
+        meta device (see :mod:`backends.meta_init`)."""
         target = getattr(module, "module", module)
+        with torch.random.fork_rng(devices=[]):  # the layers it builds are drawn from the run's seed
+            torch.manual_seed(torch.initial_seed())
+            configure_model(target, on_meta=False)
+        if has_meta_tensors(target):  # built under torch.device("meta"): allocated and initialized here
+            materialize(target, self.device)
         self.compile_units(target, module_units(target))
         return module
 

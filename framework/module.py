@@ -109,6 +109,13 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         ``self.env = make_env(seed=1000 + self.global_rank)``.
         """
 
+    def configure_model(self) -> None:
+        """Build layers here instead of in ``__init__`` (Lightning's hook): called once, before the
+        strategy wraps the module; under ``fsdp`` and ``model-parallel`` inside
+        ``torch.device("meta")``, so each rank allocates only its shard, initialized from the
+        run's seed (``init_weights()``, else each layer's ``reset_parameters()``). See
+        ``docs/distributed.md``."""
+
     def sharding_units(self) -> Optional[List[torch.nn.Module]]:
         """The submodules that are sharded (``fsdp``) and compiled (``compile=True``) as one unit each.
 

@@ -20,7 +20,7 @@ from toy import ToyModule
 from framework import Trainer, TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 TIMEOUT = 30.0  # ddp_timeout of every run here: a hang fails the test within it
 STOP_AT = 3
@@ -220,7 +220,77 @@ def root_tie_scenarios(out: str, results: dict) -> None:
             results[f"tied {backend}"] = f"{type(error).__name__}: {error}"
 
 
-SCENARIOS = {"batch norm": batch_norm_scenarios, "experts": expert_scenarios, "root tie": root_tie_scenarios}
+WIDTH, DEPTH = 1024, 16  # 16 blocks of 4 MiB: a 67 MiB model
+
+
+class WideNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(16, WIDTH)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+        self.head = torch.nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.embed(x))
+        for block in self.blocks:
+            x = torch.tanh(block(x)) / 4
+        return self.head(x)
+
+
+class WideModule(NetModule):
+    """``WideNet`` built normally, under ``torch.device("meta")`` in ``__init__``, or in ``configure_model()``."""
+
+    def __init__(self, build: str) -> None:
+        ToyModule.__init__(self, n_train=64, scheduler=None, lr=0.01, val_loaders=0)
+        self.momentum, self.build, self.peak, self.baseline = 0.9, build, None, None
+        del self.net
+        if build == "normal":
+            torch.manual_seed(42)  # the run's seed (TrainerArguments.seed): what meta-built layers are drawn from
+            self.net = WideNet()
+        elif build == "meta":
+            with torch.device("meta"):
+                self.net = WideNet()
+
+    def configure_model(self) -> None:
+        if self.build == "hook":
+            self.net = WideNet()
+
+    def on_begin_train_epoch(self, global_step, epoch):
+        if self.peak is None and self.baseline is not None:  # the first step is next: the start's peak
+            self.peak = peak_rss() - self.baseline
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes since the last :func:`reset_peak_rss`."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def reset_peak_rss() -> int:
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def meta_scenarios(out: str, results: dict) -> None:
+    for build in ("normal", "meta", "hook"):  # normal first: it pays the first run's one-time costs
+        baseline = reset_peak_rss()
+        module = WideModule(build)
+        module.baseline = baseline
+        args = arguments("fsdp", os.path.join(out, f"wide-{build}"), epochs=1, max_steps=2)
+        args.checkpointer_args = DefaultCheckpointerArguments(period=0, save_at_end=False)
+        Trainer(module, args).train()
+        results[f"wide {build}"] = state_of(module)
+        results[f"wide {build} peak"] = module.peak
+
+
+SCENARIOS = {
+    "meta": meta_scenarios,
+    "batch norm": batch_norm_scenarios,
+    "experts": expert_scenarios,
+    "root tie": root_tie_scenarios,
+}
 
 
 def all_scenarios(rank: int, out: str, only: tuple) -> dict:
@@ -237,7 +307,12 @@ def all_scenarios(rank: int, out: str, only: tuple) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("layouts"))
-    return run_ranks(all_scenarios, out=out, only=tuple(SCENARIOS), timeout=300)
+    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"  # the ranks' freed tensors go back to the system: RSS is what lives
+    try:
+        return run_ranks(all_scenarios, out=out, only=tuple(SCENARIOS), timeout=300)
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_") if previous is None else os.environ.update(MALLOC_MMAP_THRESHOLD_=previous)
 
 
 def test_batch_norm_has_one_truth_for_training_evaluation_and_checkpoints(runs):
@@ -282,3 +357,20 @@ def test_a_weight_tied_between_a_block_and_the_root_trains_as_under_ddp(runs):
     assert not first["tied ddp log"] and not second["tied fsdp log"]  # rank zero logs; ddp has no units
     assert first["tied fsdp parameters"] == first["tied ddp parameters"]
     assert max_difference(first["tied ddp"], first["tied fsdp"]) <= 1e-5
+
+
+def test_a_model_built_on_the_meta_device_starts_in_a_shard_of_its_memory_and_trains_as_built_normally(runs, tmp_path):
+    """Every rank built the whole model before it was sharded; now each allocates its shard."""
+    first, second = runs
+    size = sum(t.numel() * t.element_size() for t in first["wide normal"].values())
+    for rank in (first, second):
+        assert rank["wide normal peak"] > size  # built whole, then sharded
+        for build in ("meta", "hook"):
+            assert rank[f"wide {build} peak"] < 0.75 * size, (build, rank[f"wide {build} peak"], size)
+            assert max_difference(rank[f"wide {build}"], first["wide normal"]) <= 1e-6, build
+    for build in ("meta", "hook", "normal"):  # one process: the same layers, drawn from the same seed
+        module = WideModule(build)
+        args = arguments("sp", str(tmp_path / build), epochs=1, max_steps=2)
+        args.checkpointer_args = DefaultCheckpointerArguments(period=0, save_at_end=False)
+        Trainer(module, args).train()
+        assert max_difference(state_of(module), first["wide normal"]) <= 1e-5, build

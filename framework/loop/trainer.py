@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from backends import TrainerBackend, build_backend
+from backends.meta_init import move_module
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer
@@ -149,7 +150,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
             self.backend.teardown()
             raise
         self.backend.check_module(module)  # e.g. model-parallel: a module without a tensor-parallel plan
-        self.backend.convert_module(module.to(self.device))  # true bf16: cast before any step
+        self.backend.convert_module(move_module(module, self.device))  # true bf16: cast before any step; meta stays
 
     # -- properties ---------------------------------------------------------------------
     @property

@@ -17,7 +17,7 @@ import pytest
 from backends import SingleProcess, TrainerBackend, available_backends, build_backend, register_backend
 from backends.registry import unregister_backend
 from framework.conformance import FEATURES, KNOWN_SEAMS, MODELS, conformance, format_table, register_feature
-from framework.conformance.matrix import covering
+from framework.conformance.matrix import covering, runs_at
 from framework.conformance.report import built_in_backends, run_backend, suite_design
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,6 +66,9 @@ def test_the_suite_design_covers_every_pair_and_joins_new_features_and_backends(
     assert feature_backend >= {(feature, backend) for feature in everywhere for backend in backends}
     assert "compile" not in everywhere  # seconds of inductor work per process: paired with its shapes only
     assert model_backend == {(model, backend) for model in MODELS for backend in backends}
+    multi = [backend for backend in backends if build_backend(backend).multi_process]
+    at_two = {(feature, backend) for backend in multi for feature, model in design[backend] if runs_at(feature, model, 2)}
+    assert at_two >= {(feature, backend) for feature in everywhere for backend in multi}  # each at 2 ranks somewhere
 
     @register_feature("joins-by-registering", models=("mlp",))
     def joins(context, model):

@@ -28,6 +28,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "it (with --all: the quick set), its correct control on the same cells; print the mutation score",
     )
     parser.add_argument("--only", default=None, help="with --mutants: comma-separated mutant names (default: all)")
+    parser.add_argument("--markdown", action="store_true", help="with --mutants: print the docs' Markdown table instead")
     parser.add_argument(
         "--import",
         dest="imports",
@@ -64,12 +65,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _mutants(options: argparse.Namespace) -> int:
-    from framework.conformance.mutation import format_mutants, run_mutants
+    from framework.conformance.mutation import format_mutants, markdown_mutants, run_mutants
 
     for name in options.imports:
         import_plugin(name)
     mutants, controls = run_mutants(_names(options.only), every=options.all, workdir=options.workdir, timeout=options.timeout)
-    print(format_mutants(mutants, controls), flush=True)
+    print((markdown_mutants if options.markdown else format_mutants)(mutants, controls), flush=True)
     passed = all(verdict.killed for verdict in mutants) and all(row.ok for verdict in controls for row in verdict.rows)
     return 0 if passed else 1
 

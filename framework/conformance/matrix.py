@@ -10,7 +10,7 @@ every pair (feature, model), (feature, backend) and (model, backend) is covered 
 
 import fnmatch
 import random
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from framework.conformance.registry import FEATURES, MODELS, QUICK_MODELS
 
@@ -55,6 +55,20 @@ def known_seam(feature: str, model: str, backend: str, ranks: int) -> Optional[s
     return None
 
 
+def runs_at(feature: str, model: str, world_size: int) -> bool:
+    """Whether the cell (feature, model) runs at ``world_size``: the feature runs there, and the
+    model either computes as ``sp`` there or the feature compares the backend only with itself
+    (a resume against the same backend's uninterrupted run: batch norm resumes at 2 ranks too).
+
+    Example:
+        >>> runs_at("resume_kill9", "batchnorm", 2), runs_at("automatic", "batchnorm", 2)
+        (True, False)
+    """
+    spec = FEATURES[feature]
+    self_compared = not spec.compare and not spec.exact and bool(spec.resumed)
+    return world_size in spec.ranks and (world_size in MODELS[model].ranks or self_compared)
+
+
 def models_of(feature: str) -> List[str]:
     """The zoo models ``feature`` runs with."""
     wanted = FEATURES[feature].models
@@ -93,31 +107,43 @@ def quick_cells(features: Optional[Sequence[str]] = None, models: Optional[Seque
     return cells
 
 
-def covering(backends: Sequence[str], seed: int = 0) -> Dict[str, List[Cell]]:
+def covering(backends: Sequence[str], seed: int = 0, multi: Collection[str] = ()) -> Dict[str, List[Cell]]:
     """Cells per backend such that every (feature, model), (feature, backend) and (model,
     backend) pair is covered at least once (a feature registered with ``every_backend=False``
     only with each of its models): greedy, each step the candidate covering most new
-    pairs (ties broken by a ``random.Random(seed)`` shuffle, so the design is fixed)."""
+    pairs (ties broken by a ``random.Random(seed)`` shuffle, so the design is fixed).
+
+    For a backend in ``multi`` (multi-process), a (feature, backend) pair is covered only by a
+    model that runs on 2 ranks: every feature of such a backend runs at 2 ranks somewhere."""
     candidates = [(feature, model, backend) for feature, model in all_cells() for backend in backends]
+    multi = set(multi)
+
+    def pairs(candidate: Tuple[str, str, str]) -> Set[Tuple[str, str, str]]:
+        feature, model, backend = candidate
+        covered = {("fm", feature, model), ("mb", model, backend)}
+        two_ranks = runs_at(feature, model, 2)
+        if FEATURES[feature].every_backend and (backend not in multi or two_ranks or not _runs_at_two(feature)):
+            covered.add(("fb", feature, backend))
+        return covered
+
     uncovered: Set[Tuple[str, str, str]] = set()
-    for feature, model, backend in candidates:
-        uncovered |= _pairs((feature, model, backend))
+    for candidate in candidates:
+        uncovered |= pairs(candidate)
     generator = random.Random(seed)
     generator.shuffle(candidates)
     chosen: Dict[str, List[Cell]] = {backend: [] for backend in backends}
     while uncovered:
-        best = max(candidates, key=lambda c: len(_pairs(c) & uncovered))
-        uncovered -= _pairs(best)
+        best = max(candidates, key=lambda c: len(pairs(c) & uncovered))
+        uncovered -= pairs(best)
         candidates.remove(best)
         chosen[best[2]].append((best[0], best[1]))
     order = {feature: index for index, feature in enumerate(FEATURES)}
     return {backend: sorted(cells, key=lambda cell: (order[cell[0]], cell[1])) for backend, cells in chosen.items()}
 
 
-def _pairs(candidate: Tuple[str, str, str]) -> Set[Tuple[str, str, str]]:
-    feature, model, backend = candidate
-    pairs = {("fm", feature, model), ("mb", model, backend)}
-    return pairs | {("fb", feature, backend)} if FEATURES[feature].every_backend else pairs
+def _runs_at_two(feature: str) -> bool:
+    """Whether ``feature`` takes any model that runs on 2 ranks (and runs there itself)."""
+    return any(runs_at(feature, model, 2) for model in models_of(feature))
 
 
 def _checked(names: Optional[Sequence[str]], known: Mapping[str, object], what: str) -> List[str]:

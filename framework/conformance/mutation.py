@@ -16,10 +16,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from framework.conformance.checks import Cell, Context, run_cells
 from framework.conformance.compare import Row
-from framework.conformance.matrix import quick_cells
+from framework.conformance.matrix import quick_cells, runs_at
 from framework.conformance.mutants import MUTANTS, Mutant
 from framework.conformance.ranks import run_jobs
-from framework.conformance.registry import FEATURES, MODELS
 from framework.conformance.runner import (
     ReferenceCache,
     judge_cells,
@@ -75,10 +74,7 @@ def cells_of(mutant: Mutant, every: bool) -> List[Tuple[Cell, int]]:
         return [((feature, model), ranks) for feature, model, ranks in mutant.kills]
     sizes = sorted({ranks for _, _, ranks in mutant.kills})
     return [
-        (cell, ranks)
-        for ranks in sizes
-        for cell in quick_cells()
-        if ranks in FEATURES[cell[0]].ranks and ranks in MODELS[cell[1]].ranks and cell[0] != "world_size_change"
+        (cell, ranks) for ranks in sizes for cell in quick_cells() if runs_at(*cell, ranks) and cell[0] != "world_size_change"
     ]
 
 
@@ -188,3 +184,22 @@ def format_mutants(mutants: List[Verdict], controls: List[Verdict]) -> str:
     lines.append("controls: " + verdict_line)
     lines += margins(mutants, controls)
     return "\n".join(lines)
+
+
+def markdown_mutants(mutants: List[Verdict], controls: List[Verdict]) -> str:
+    """The mutation score and one table row per mutant (its kind, fault, killing cell and figure), for the docs."""
+    killed = sum(verdict.killed for verdict in mutants)
+    lines = [
+        f"Mutation score: **{killed} of {len(mutants)} killed** ({100 * killed // max(len(mutants), 1)}%); every "
+        "control (the correct backend each mutant was made from) passes the same cells.",
+        "",
+        "| mutant | promise | fault | killed by (ranks) | figure |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for verdict in mutants:
+        killer = verdict.killer
+        cell = f"{killer.check} ({killer.ranks})" if killer else "**survived**"
+        figure = (killer.figure if killer else "").replace("|", "\\|")[:110]
+        fault = verdict.fault.replace("|", "\\|")
+        lines.append(f"| `{verdict.backend}` | {MUTANTS[verdict.backend].kind} | {fault} | {cell} | {figure} |")
+    return "\n".join([*lines, "", *(f"- {line}" for line in margins(mutants, controls))])

@@ -24,8 +24,10 @@ END = "<!-- end of conformance-matrix -->"
 
 
 def suite_design(backends: Optional[Sequence[str]] = None, seed: int = 0) -> Dict[str, List[Cell]]:
-    """The cells each backend runs in the suite (every pair covered once; see ``covering``)."""
-    return covering(list(backends or built_in_backends()), seed=seed)
+    """The cells each backend runs in the suite (every pair covered once, every (feature,
+    multi-process backend) pair at 2 ranks; see ``covering``)."""
+    names = list(backends or built_in_backends())
+    return covering(names, seed=seed, multi=[name for name in names if build_backend(name).multi_process])
 
 
 def run_backend(backend: str, cells: List[Cell], workdir: str, cache: ReferenceCache, timeout: float = 900.0) -> List[Row]:

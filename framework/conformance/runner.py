@@ -13,9 +13,9 @@ from backends import SingleProcess, TrainerBackend, available_backends, build_ba
 from backends.registry import _registry
 from framework.conformance.checks import Cell, Context, cell_key, run_cells
 from framework.conformance.compare import Row, judge
-from framework.conformance.matrix import known_seam, quick_cells
+from framework.conformance.matrix import known_seam, quick_cells, runs_at
 from framework.conformance.ranks import import_plugin, run_ranks
-from framework.conformance.registry import FEATURES, MODELS
+from framework.conformance.registry import FEATURES
 
 FP32_TOLERANCE = 1e-5
 """Largest difference from the reference allowed in fp32 on several ranks: summation order only."""
@@ -100,13 +100,13 @@ def conformance(
     cache: ReferenceCache = reference_cache if reference_cache is not None else {}
     reference = reference_observations(reference_name, [cell for cell in cells if cell[0] not in declared], workdir, cache)
     rows: List[Row] = []
-    needs_one = any(cell[0] == "world_size_change" or max(world_sizes) not in MODELS[cell[1]].ranks for cell in cells)
+    needs_one = any(cell[0] == "world_size_change" or not runs_at(*cell, max(world_sizes)) for cell in cells)
     for world_size in sorted(set(world_sizes) | ({1} if multi and needs_one else set())):
-        sized = [cell for cell in cells if world_size in FEATURES[cell[0]].ranks and world_size in MODELS[cell[1]].ranks]
+        sized = [cell for cell in cells if runs_at(*cell, world_size)]
         if world_size > 1 and not multi:
             continue  # a single-process strategy refuses multi-process launches
         if world_size == 1 and 1 not in world_sizes:  # only what the larger world sizes cannot run
-            sized = [cell for cell in sized if cell[0] == "world_size_change" or max(world_sizes) not in MODELS[cell[1]].ranks]
+            sized = [cell for cell in sized if cell[0] == "world_size_change" or not runs_at(*cell, max(world_sizes))]
         context = Context(backend, os.path.join(workdir, f"ranks{world_size}"), shared=workdir, declared=declared)
         if world_size == 1:
             ranks = [reference] if backend == reference_name else [run_cells(context, sized)]

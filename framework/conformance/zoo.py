@@ -143,9 +143,11 @@ class WithFrozenParameters(KitNet):
 class WithBatchNorm(KitNet):
     """A ``BatchNorm1d`` inside the first block (running statistics: float and integer buffers).
 
-    Compared on 1 rank only: data-parallel batch norm normalises each rank's micro-batch (and
-    keeps each rank's running statistics), so on several ranks it computes something else than
-    ``sp`` by design; ``nn.SyncBatchNorm`` is the model-side answer.
+    Compared with ``sp`` on 1 rank only: data-parallel batch norm normalises each rank's
+    micro-batch (and keeps each rank's running statistics), so on several ranks it computes
+    something else than ``sp`` by design; ``nn.SyncBatchNorm`` is the model-side answer. On 2
+    ranks it runs the features that compare a backend with itself (a resume against the same
+    backend's uninterrupted run): what is saved must be what trains on.
     """
 
     ranks = (1,)

@@ -62,6 +62,7 @@ def main() -> int:
         seed=0,
         disable_tqdm=True,
         log_level="WARNING",
+        plot_metrics=False,
         output_dir=options.out,
         checkpointer_args=checkpoints,
     )

@@ -118,7 +118,7 @@ def test_a_paused_run_whose_lock_another_host_took_stops_and_touches_nothing(tmp
         paused_at = max(first.steps())
         time.sleep(STALE + 1.0)
         second = Output(start(out, host="node-b"))  # the same command on another host: the paused run looks dead
-        second.wait_for_step(paused_at + 4)  # newer checkpoints than the paused run's
+        second.wait_for_step(paused_at + 3)  # newer checkpoints than the paused run's
         stopped(second.process)  # hold still: whatever changes now is the first run's doing
         before = snapshot(tmp_path)
         assert json.loads((out / LOCK_NAME).read_text())["host"] == "node-b"

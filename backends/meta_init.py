@@ -12,14 +12,14 @@ from the run's seed (``torch.initial_seed()``, which ``TrainerArguments.seed`` s
 - otherwise each meta-built submodule's ``reset_parameters()``, in ``module.modules()`` order,
   each on the whole tensors of that one submodule (one layer in memory at a time), from
   which each rank keeps its shard: the values one process draws for a module built normally
-  in that order, on every backend and world size.
+  in that order, on every backend and world size. Layers built normally keep their values.
 
 Buffers that no ``reset_parameters()`` or ``init_weights()`` writes have no value; a
 meta-built submodule that holds parameters or buffers without either is refused, by name.
 """
 
 import contextlib
-from typing import Any, Iterator, List
+from typing import Iterator, List
 
 import torch
 
@@ -88,13 +88,8 @@ def materialize(module: torch.nn.Module, device: torch.device) -> List[str]:
                 "give their parameters and buffers values; define init_weights() on the module (called once after "
                 "each rank's shard is allocated, as torchtitan does), or build these layers normally"
             )
-    for _, sub in built:
-        kept = {name: tensor.detach().clone() for name, tensor in _named_tensors(sub) if not _is_meta(tensor)}
+    for _, sub in built:  # a layer with any tensor on the meta device is initialized whole
         sub.to_empty(device=device, recurse=False)
-        with torch.no_grad():
-            for name, tensor in _named_tensors(sub):
-                if name in kept:
-                    _local(tensor).copy_(_local(kept[name]))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         torch.manual_seed(torch.initial_seed())
         if callable(init_weights):
@@ -132,11 +127,6 @@ def _whole_tensors(module: torch.nn.Module, device: torch.device) -> Iterator[No
 def _tensors(module: torch.nn.Module, recurse: bool = False) -> Iterator[torch.Tensor]:
     yield from module.parameters(recurse=recurse)
     yield from module.buffers(recurse=recurse)
-
-
-def _named_tensors(module: torch.nn.Module) -> Iterator[Any]:
-    yield from module.named_parameters(recurse=False)
-    yield from module.named_buffers(recurse=False)
 
 
 def _is_meta(tensor: torch.Tensor) -> bool:

@@ -3,11 +3,14 @@ FSDP2 on one mesh, or DTensors of a 2-D ("dp", "tp") mesh beside plain (or 1-D) 
 
 ``torch.nn.utils.clip_grad_norm_`` refuses a mix ("mixed torch.Tensor and DTensor", or "must
 have the same mesh"), and on DTensors it reduces each parameter's norm over the mesh on its own.
-Here gradients are grouped by mesh and by which mesh dimensions split them; each group's local
-``norm ** p`` is summed on the rank, then all-reduced once along each splitting dimension (a
-replicated dimension holds the same values everywhere and is not summed); the groups' totals
-make the total norm, and every gradient is scaled by the same factor. With plain tensors alone
-it is ``clip_grad_norm_``.
+Here a gradient with pending sums (a ``Partial`` placement: under sequence parallelism the
+norm weights' gradients) is first reduced along those dimensions (``Partial`` becomes
+``Replicate``, shards stay shards), so each rank holds its true part. Gradients are then grouped
+by mesh and by which mesh dimensions shard them; each group's local ``norm ** p`` is summed on
+the rank, then all-reduced once along each sharding dimension (a replicated dimension holds the
+same values everywhere and is not summed); the groups' totals make the total norm, and every
+gradient (still in its own placement) is scaled by the same factor. With plain tensors alone it
+is ``clip_grad_norm_``.
 """
 
 import math
@@ -25,34 +28,45 @@ except ImportError:  # pragma: no cover - older torch
 GroupKey = Tuple[Any, ...]
 
 
+def settled(gradient: torch.Tensor) -> torch.Tensor:
+    """``gradient`` with its pending sums done: a DTensor's ``Partial`` dimensions reduced to
+    ``Replicate`` (its ``Shard`` dimensions kept); anything else as it is.
+
+    Example:
+        >>> settled(torch.tensor([3.0, 4.0]))
+        tensor([3., 4.])
+    """
+    placements = getattr(gradient, "placements", None)
+    if placements is None or not any(placement.is_partial() for placement in placements):
+        return gradient
+    from torch.distributed.tensor import Replicate
+
+    wanted = [Replicate() if placement.is_partial() else placement for placement in placements]
+    with torch.no_grad():
+        return gradient.redistribute(gradient.device_mesh, wanted)  # type: ignore[attr-defined]
+
+
 def _group_key(gradient: torch.Tensor) -> GroupKey:
-    """``()`` for a plain tensor; else the mesh and the dimensions that split the gradient."""
+    """``()`` for a plain tensor; else the mesh and the dimensions that shard the (settled) gradient."""
     mesh = getattr(gradient, "device_mesh", None)
     if mesh is None:
         return ()
     placements = gradient.placements  # type: ignore[attr-defined]
-    split = tuple(dim for dim, placement in enumerate(placements) if not placement.is_replicate())
-    return (id(mesh), split)
-
-
-def _local(gradient: torch.Tensor) -> torch.Tensor:
-    if not hasattr(gradient, "to_local"):
-        return gradient
-    if any(placement.is_partial() for placement in gradient.placements):  # type: ignore[attr-defined]
-        return gradient.full_tensor()  # type: ignore[attr-defined]  # pending sums: this rank's values are not its part
-    return gradient.to_local()
+    sharded = tuple(dim for dim, placement in enumerate(placements) if placement.is_shard())
+    return (id(mesh), sharded)
 
 
 def _group_power(gradients: List[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The group's ``sum of |g| ** p`` (``max |g|`` for p = inf) over every rank that holds part of it."""
+    """The group's ``sum of |g| ** p`` (``max |g|`` for p = inf) over every rank that holds part of it
+    (``gradients``: settled, all with the same mesh and sharded dimensions)."""
     first = gradients[0]
-    locals_ = [_local(gradient) for gradient in gradients]
+    locals_ = [gradient.to_local() if hasattr(gradient, "to_local") else gradient for gradient in gradients]
     norms = torch.stack([torch.linalg.vector_norm(tensor.float(), norm_type) for tensor in locals_])
     infinite = math.isinf(norm_type)
     value = norms.max() if infinite else norms.pow(norm_type).sum()
-    if hasattr(first, "device_mesh") and not any(p.is_partial() for p in first.placements):  # type: ignore[attr-defined]
+    if hasattr(first, "device_mesh"):
         for dim, placement in enumerate(first.placements):  # type: ignore[attr-defined]
-            if not placement.is_replicate():
+            if placement.is_shard():  # each rank along it holds another part; a replicated dim holds copies
                 operation = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
                 dist.all_reduce(value, op=operation, group=first.device_mesh.get_group(dim))
     return value
@@ -67,10 +81,14 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
         >>> float(total_grad_norm([weight]))
         5.0
     """
-    groups = _grouped_parameters(parameters)
+    groups: Dict[GroupKey, List[torch.Tensor]] = {}
+    for parameter in parameters:
+        if parameter.grad is not None:
+            gradient = settled(parameter.grad)
+            groups.setdefault(_group_key(gradient), []).append(gradient)
     if not groups:
         return torch.tensor(0.0)
-    powers = [_group_power([p.grad for p in members], norm_type) for members in groups.values()]  # type: ignore[misc]
+    powers = [_group_power(gradients, norm_type) for gradients in groups.values()]
     device = powers[0].device
     stacked = torch.stack([power.to(device) for power in powers])
     if math.isinf(norm_type):
@@ -91,22 +109,22 @@ def clip_gradients(
         (5.0, True)
     """
     parameters = [parameter for parameter in parameters if parameter.grad is not None]
+    for parameter in parameters:  # pending sums done once: clamping and scaling act on the true values
+        gradient = settled(parameter.grad)  # type: ignore[arg-type]
+        if gradient is not parameter.grad:
+            parameter.grad = gradient
     if max_value is not None:
         clip_grad_value_(parameters, max_value)
     if max_norm is None:
         return None
-    groups = _grouped_parameters(parameters)
-    if list(groups) == [()]:  # plain tensors alone: exactly torch's
+    if not any(hasattr(parameter.grad, "device_mesh") for parameter in parameters):  # plain tensors alone: torch's
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     total = total_grad_norm(parameters)
-    for members in groups.values():
+    by_kind: Dict[GroupKey, List[torch.Tensor]] = {}  # scaled together where torch's foreach can: one mesh, one placement
+    for parameter in parameters:
+        grad: Any = parameter.grad
+        kind = (id(grad.device_mesh), tuple(grad.placements)) if hasattr(grad, "device_mesh") else ()
+        by_kind.setdefault(kind, []).append(parameter)
+    for members in by_kind.values():
         clip_grads_with_norm_(members, max_norm, total.to(members[0].grad.device))  # type: ignore[union-attr]
     return total
-
-
-def _grouped_parameters(parameters: Iterable[torch.Tensor]) -> Dict[GroupKey, List[torch.Tensor]]:
-    groups: Dict[GroupKey, List[torch.Tensor]] = {}
-    for parameter in parameters:
-        if parameter.grad is not None:
-            groups.setdefault(_group_key(parameter.grad), []).append(parameter)
-    return groups

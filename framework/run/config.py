@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.run.arguments import TrainerArguments
+from framework.run.bounded_repr import bounded_repr
+from framework.run.bounded_yaml import YamlRefused, load_yaml
 from framework.run.class_path import apply_class_override, build_module, check_class_spec, is_class_override, is_class_spec
 from framework.run.config_convert import convert, plain, type_name
 from framework.run.run_identity import RUN_ID_KEY
@@ -245,7 +247,8 @@ def _unknown_backend(name: Any, source: str) -> List[str]:
         return []
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    return [f"trainer.backend={name!r} (from {source}): unknown backend; {hint}available backends: {', '.join(known)}"]
+    shown = bounded_repr(name)
+    return [f"trainer.backend={shown} (from {source}): unknown backend; {hint}available backends: {', '.join(known)}"]
 
 
 def _split_arguments(argv: List[str]) -> Tuple[Optional[str], List[Tuple[str, Any]]]:
@@ -275,15 +278,14 @@ def _split_arguments(argv: List[str]) -> Tuple[Optional[str], List[Tuple[str, An
 
 
 def _load_yaml(path: str) -> Dict[str, Any]:
-    import yaml  # on first use: importing it costs more than the rest of the config code
-
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist" + (" (it is a directory)" if os.path.isdir(path) else ""))
     try:
-        with open(path) as handle:
-            data = yaml.safe_load(handle)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {error}") from None
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            data = load_yaml(handle.read())
+    except YamlRefused as error:
+        verdict = "is" if str(error).startswith("not valid YAML") else "refused:"
+        raise ConfigError(f"config file {path!r} {verdict} {error}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -372,7 +374,7 @@ def _assign(
     try:
         values[section][name] = convert(value, hint, from_text)
     except (TypeError, ValueError) as error:
-        raise ConfigError(f"{key}={value!r} (from {source}): {error}") from None
+        raise ConfigError(f"{key}={bounded_repr(value)} (from {source}): {error}") from None
 
 
 def field_docs(cls: Type) -> Dict[str, str]:

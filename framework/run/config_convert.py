@@ -7,6 +7,8 @@ import enum
 import typing
 from typing import Any, Callable, Dict, Mapping, Optional
 
+from framework.run.bounded_repr import bounded_repr
+
 _TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~"}
 _SEQUENCES = (list, tuple, set, collections.abc.Sequence)
 
@@ -81,14 +83,14 @@ def _to_literal(value: Any, hint: Any, from_text: bool) -> Any:
     for choice in choices:
         if value == choice or (from_text and str(value) == str(choice)):
             return choice
-    raise ValueError(f"expected one of {list(choices)}, got {value!r}")
+    raise ValueError(f"expected one of {list(choices)}, got {bounded_repr(value)}")
 
 
 def _to_enum(value: Any, hint: Any, from_text: bool) -> Any:
     for member in hint:
         if value in (member, member.value, member.name) or (from_text and str(value) in (str(member.value), member.name)):
             return member
-    raise ValueError(f"expected one of {[member.name for member in hint]}, got {value!r}")
+    raise ValueError(f"expected one of {[member.name for member in hint]}, got {bounded_repr(value)}")
 
 
 def _to_bool(value: Any, hint: Any, from_text: bool) -> bool:
@@ -96,30 +98,30 @@ def _to_bool(value: Any, hint: Any, from_text: bool) -> bool:
         return value
     if isinstance(value, (str, int)) and str(value).lower() in _TRUE | _FALSE:
         return str(value).lower() in _TRUE
-    raise ValueError(f"expected a boolean (true/false), got {value!r}")
+    raise ValueError(f"expected a boolean (true/false), got {bounded_repr(value)}")
 
 
 def _to_int(value: Any, hint: Any, from_text: bool) -> int:
     if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError(f"expected an integer, got {value!r}")
+        raise ValueError(f"expected an integer, got {bounded_repr(value)}")
     try:
         return int(value.replace("_", "")) if isinstance(value, str) else int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"expected an integer, got {value!r}") from None
+        raise ValueError(f"expected an integer, got {bounded_repr(value)}") from None
 
 
 def _to_float(value: Any, hint: Any, from_text: bool) -> float:
     if isinstance(value, bool):
-        raise ValueError(f"expected a number, got {value!r}")
+        raise ValueError(f"expected a number, got {bounded_repr(value)}")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"expected a number, got {value!r}") from None
+        raise ValueError(f"expected a number, got {bounded_repr(value)}") from None
 
 
 def _to_str(value: Any, hint: Any, from_text: bool) -> str:
     if isinstance(value, (list, dict, tuple, set)):
-        raise ValueError(f"expected a string, got {type(value).__name__} {value!r}")
+        raise ValueError(f"expected a string, got {type(value).__name__} {bounded_repr(value)}")
     return str(value)
 
 
@@ -133,10 +135,10 @@ def _to_sequence(value: Any, hint: Any, from_text: bool) -> Any:
     if isinstance(items, str) and from_text:
         items = [part.strip() for part in items.split(",") if part.strip()]
     if not isinstance(items, (list, tuple)):
-        raise ValueError(f"expected a list, got {value!r}")
+        raise ValueError(f"expected a list, got {bounded_repr(value)}")
     if origin is tuple and arguments and arguments[-1] is not Ellipsis:  # Tuple[int, str]: one hint per item
         if len(arguments) != len(items):
-            raise ValueError(f"expected {len(arguments)} items, got {len(items)}: {value!r}")
+            raise ValueError(f"expected {len(arguments)} items, got {len(items)}: {bounded_repr(value)}")
         return tuple(convert(item, item_hint, from_text) for item, item_hint in zip(items, arguments))
     item_hint = arguments[0] if arguments else Any
     converted = [convert(item, item_hint, from_text) for item in items]
@@ -148,7 +150,7 @@ def _to_sequence(value: Any, hint: Any, from_text: bool) -> Any:
 def _to_dict(value: Any, hint: Any, from_text: bool) -> Dict[Any, Any]:
     mapping = _parse_text(value) if from_text and isinstance(value, str) else value
     if not isinstance(mapping, Mapping):
-        raise ValueError(f"expected a mapping, got {value!r}")
+        raise ValueError(f"expected a mapping, got {bounded_repr(value)}")
     key_hint, value_hint = typing.get_args(hint) or (Any, Any)
     return {convert(k, key_hint, from_text): convert(v, value_hint, from_text) for k, v in mapping.items()}
 
@@ -158,16 +160,18 @@ def _to_dataclass(value: Any, hint: Any, from_text: bool) -> Any:
         return value
     if isinstance(value, Mapping):
         return hint(**value)
-    raise ValueError(f"expected a mapping of {hint.__name__} fields, got {value!r}")
+    raise ValueError(f"expected a mapping of {hint.__name__} fields, got {bounded_repr(value)}")
 
 
 def _parse_text(text: str) -> Any:
-    import yaml  # on first use: importing it costs more than the rest of the config code
+    from framework.run.bounded_yaml import YamlRefused, load_yaml
 
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+        return load_yaml(text)
+    except YamlRefused as error:
+        if "not valid YAML" in str(error):
+            return text
+        raise ValueError(str(error)) from None
 
 
 def plain(value: Any) -> Any:

@@ -9,6 +9,8 @@ run's ``config.yaml`` (read before this run rewrites it).
 import logging
 from typing import Any, Dict, List, Optional
 
+from framework.run.bounded_repr import bounded_repr
+
 logger = logging.getLogger("framework")
 
 IGNORED = frozenset({"log_level", "disable_tqdm", "resume", "run_id"})
@@ -32,11 +34,11 @@ def changed_settings(config_path: str, current: Dict[str, Dict[str, Any]]) -> Li
             text = handle.read()
     except OSError:
         return []
-    import yaml  # only when there is a file
+    from framework.run.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
 
     try:
-        saved = yaml.safe_load(text)
-    except yaml.YAMLError:
+        saved = load_yaml(text)  # an alias bomb is refused, not walked
+    except YamlRefused:
         return []
     if not isinstance(saved, dict):
         return []
@@ -47,7 +49,7 @@ def changed_settings(config_path: str, current: Dict[str, Dict[str, Any]]) -> Li
             continue
         for key, value in values.items():
             if key not in IGNORED and key in before and before[key] != value:
-                changes.append(f"{section}.{key}: {before[key]!r} -> {value!r}")
+                changes.append(f"{section}.{key}: {bounded_repr(before[key])} -> {bounded_repr(value)}")
     return changes
 
 

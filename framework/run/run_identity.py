@@ -69,11 +69,11 @@ def recorded_run_id(output_dir: str) -> Optional[str]:
             text = handle.read()
     except OSError:
         return None
-    import yaml  # only when there is a file: a fresh run does not pay its import
+    from framework.run.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
 
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
+        data = load_yaml(text)  # an alias bomb is refused, not walked
+    except YamlRefused:
         return None
     value = data.get(RUN_ID_KEY) if isinstance(data, dict) else None
     return value if isinstance(value, str) and value else None

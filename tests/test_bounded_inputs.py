@@ -1,0 +1,96 @@
+"""Bounded inputs and messages: YAML alias bombs and deep nesting refused within time and memory
+(framework/run/bounded_yaml.py), every value in a message bounded (framework/run/bounded_repr.py)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from framework import parse_config
+from framework.run.bounded_repr import bounded_repr
+from framework.run.bounded_yaml import YamlRefused, load_yaml
+from framework.run.config import ConfigError
+
+
+def alias_bomb(levels: int = 9) -> str:
+    """A few hundred bytes that stand for 9**levels strings."""
+    lines, previous = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]'], "a0"
+    for level in range(1, levels):
+        lines.append(f"a{level}: &a{level} [" + ",".join([f"*{previous}"] * 9) + "]")
+        previous = f"a{level}"
+    return "\n".join(lines) + "\n"
+
+
+MEASURE = textwrap.dedent(
+    """
+    import json, resource, sys, time
+    start = time.monotonic()
+    from framework import parse_config
+    from framework.run.finished_run import changed_settings
+    from framework.run.run_identity import recorded_run_id
+    try:
+        parse_config(argv=["--config", sys.argv[1]])
+        message = ""
+    except Exception as error:
+        message = str(error)
+    recorded_run_id(sys.argv[2])  # what a resume reads from the run's config.yaml
+    changes = changed_settings(sys.argv[2] + "/config.yaml", {"trainer": {"epochs": 1}})
+    print(json.dumps({"message": len(message), "changes": len(repr(changes)), "text": message[:300],
+                      "seconds": time.monotonic() - start,
+                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["value", "section"])
+def test_alias_bomb_refused_fast_small_and_with_a_short_message(tmp_path, where):
+    """Kills: yaml.safe_load without the expanded-size count (minutes, gigabytes, a huge message)."""
+    bomb = alias_bomb()
+    text = "trainer:\n  epochs:\n" + textwrap.indent(bomb, "    ") if where == "value" else bomb + "trainer: *a8\n"
+    config = tmp_path / "bomb.yaml"
+    config.write_text(text)
+    assert len(text) < 1000
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("run_id: abc\n" + text)
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(config), str(run_dir)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "alias" in figures["text"] and "bomb.yaml" in figures["text"], figures
+    assert figures["message"] < 100_000 and figures["changes"] < 100_000
+    assert figures["seconds"] < 30
+    assert figures["rss_mb"] < 300, figures
+
+
+def test_deep_nesting_refused_with_a_message():
+    with pytest.raises(YamlRefused, match="nested"):
+        load_yaml("[" * 5000 + "]" * 5000)
+    with pytest.raises(YamlRefused, match="nested"):
+        load_yaml("a: &a [*a]")  # a list that holds itself
+
+
+def test_a_big_value_under_the_bound_gives_a_bounded_message(tmp_path):
+    """Kills: {value!r} in the config error (the message holds all 59049 strings)."""
+    config = tmp_path / "big.yaml"
+    config.write_text("trainer:\n  epochs:\n" + textwrap.indent(alias_bomb(5), "    "))
+    with pytest.raises(ConfigError) as raised:
+        parse_config(argv=["--config", str(config)])
+    message = str(raised.value)
+    assert len(message) < 1000 and "trainer.epochs=a dict of 5 keys" in message, message
+
+
+def test_bounded_repr_shows_type_and_size():
+    assert bounded_repr("x" * 10**6).startswith("a str of 1000000 characters")
+    assert bounded_repr(list(range(10**6))).startswith("a list of 1000000 items")
+    assert bounded_repr({"a": 1}) == "{'a': 1}"
+    assert len(bounded_repr([[list(range(1000))] * 1000] * 1000)) < 300
+    assert bounded_repr(3) == "3" and bounded_repr("three") == "'three'"
+
+
+def test_a_plain_config_still_loads(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer: {epochs: &n 2, log_every_n_steps: *n}\n")
+    trainer = parse_config(argv=["--config", str(config)]).trainer
+    assert (trainer.epochs, trainer.log_every_n_steps) == (2, 2)

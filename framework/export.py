@@ -7,6 +7,8 @@
 
 import logging
 import os
+import sys
+import warnings
 from typing import Any, Tuple
 
 import torch
@@ -38,6 +40,7 @@ def export_weights(trainer: Any, path: str, checkpoint: CheckpointChoice = None,
     parse_shard_size(max_shard_size)
     if max_shard_size is not None and not str(path).endswith(SUFFIX):
         raise ValueError(f"export_weights({path!r}, max_shard_size={max_shard_size!r}): only .safetensors files are sharded")
+    _warn_if_pretrained(trainer.module)
     trainer.load_checkpoint_weights(checkpoint, "export_weights")
     state = trainer.backend.unsharded(trainer.module.state_dict())  # fsdp: gathered on every rank
 
@@ -105,6 +108,24 @@ def export_program(
     result = on_main_then_everywhere(trainer.backend, write, f"export to {path!r}")
     logger.info("export: wrote %s (%s)", result, format)
     return result
+
+
+def _warn_if_pretrained(module: torch.nn.Module) -> None:
+    """A transformers model under an attribute: these keys carry its prefix, which ``from_pretrained`` ignores."""
+    if "transformers" not in sys.modules:  # never imports transformers
+        return
+    base: Any = getattr(sys.modules["transformers"], "PreTrainedModel", None)
+    if base is None:
+        return
+    held = [name for name, child in module.named_modules() if name and isinstance(child, base)]
+    if held and not isinstance(module, base):
+        warnings.warn(
+            f"export_weights(): the keys carry the prefix {held[0] + '.'!r} of the transformers model inside "
+            f"{type(module).__name__}; from_pretrained() would load none of them. Use "
+            "trainer.export_pretrained(directory) for a directory from_pretrained() loads",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _require_onnx() -> None:

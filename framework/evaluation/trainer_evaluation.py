@@ -97,6 +97,20 @@ class TrainerEvaluation:
         (see ``docs/export.md``)."""
         return export.export_weights(self, path, checkpoint, max_shard_size)
 
+    def export_pretrained(
+        self,
+        directory: str,
+        attribute: Optional[str] = None,
+        checkpoint: Optional[str] = None,
+        max_shard_size: Union[int, str, None] = "5GB",
+    ) -> str:
+        """Write the module's ``transformers`` model as ``save_pretrained`` does (its own keys,
+        ``config.json``, HF's shard names), so ``from_pretrained(directory)`` loads it; return
+        ``directory``. Collective: call on every rank (see ``docs/from-transformers.md``)."""
+        from framework.integrations.transformers import export_pretrained
+
+        return export_pretrained(self, directory, attribute, checkpoint, max_shard_size)
+
     def export(
         self, path: str, example_inputs: Tuple[Any, ...], format: str = "torch.export", checkpoint: Optional[str] = None
     ) -> str:

@@ -1,0 +1,1 @@
+"""Bridges to other libraries' formats and models (``framework.integrations.transformers``)."""

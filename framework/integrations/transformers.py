@@ -1,0 +1,243 @@
+"""Hugging Face ``transformers`` models in the framework: weights that ``from_pretrained`` loads,
+and a module that trains a ``PreTrainedModel`` as the ``transformers`` ``Trainer`` does.
+
+- :func:`export_pretrained` writes a directory ``from_pretrained(directory)`` reads: the
+  ``PreTrainedModel``'s own keys (no prefix of the attribute holding it), ``config.json``
+  (and ``generation_config.json`` for generative models), ``model.safetensors`` or, above
+  ``max_shard_size``, ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+  Collective: every backend (fsdp and model-parallel gather the shards first).
+- :class:`PretrainedModule` trains a ``PreTrainedModel``: the loss is ``outputs.loss``, the
+  optimizer AdamW with the ``Trainer``'s weight-decay groups (no decay for biases and norm
+  weights), the schedule linear warmup then linear decay; ``generate`` is the model's own.
+
+Needs ``transformers`` (``pip install transformers``); see ``docs/from-transformers.md``.
+"""
+
+import logging
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from framework.checkpoint.safetensors_io import ShardSize, parse_shard_size, save_safetensors
+from framework.evaluation.weights import CheckpointChoice, on_main_then_everywhere
+from framework.module import ModuleInterface
+
+logger = logging.getLogger("framework")
+
+WEIGHTS_NAME = "model.safetensors"
+"""The file (or the stem of the shards and index) ``from_pretrained`` looks for."""
+DEFAULT_SHARD_SIZE = "5GB"
+"""``save_pretrained``'s default ``max_shard_size``."""
+
+
+def pretrained_prefix(module: torch.nn.Module, attribute: Optional[str] = None) -> Tuple[str, torch.nn.Module]:
+    """``(prefix, model)``: where the ``PreTrainedModel`` sits inside ``module``.
+
+    ``attribute`` names it (dotted, e.g. ``"model"``); None: ``module`` itself if it is a
+    ``PreTrainedModel``, else its only ``PreTrainedModel`` that no other one contains.
+
+    Raises:
+        ValueError: no ``PreTrainedModel`` there, several and no ``attribute``, or ``attribute`` is not one.
+
+    Example:
+        >>> import torch
+        >>> pretrained_prefix(torch.nn.Linear(1, 1))
+        Traceback (most recent call last):
+        ...
+        ValueError: Linear holds no transformers PreTrainedModel; export_weights() writes plain modules
+    """
+    base = _pretrained_class()
+    if attribute is not None:
+        found: Any
+        try:
+            found = module.get_submodule(attribute) if attribute else module
+        except AttributeError:
+            found = getattr(module, attribute, None)
+        if not isinstance(found, base):
+            raise ValueError(f"attribute={attribute!r} is a {type(found).__name__}, not a transformers PreTrainedModel")
+        return (attribute + "." if attribute else ""), found
+    if isinstance(module, base):
+        return "", module
+    outer = [(name, child) for name, child in module.named_modules() if name and isinstance(child, base)]
+    outer = [(name, child) for name, child in outer if not any(name.startswith(other + ".") for other, _ in outer)]
+    if not outer:
+        raise ValueError(f"{type(module).__name__} holds no transformers PreTrainedModel; export_weights() writes plain modules")
+    if len(outer) > 1:
+        raise ValueError(
+            f"{type(module).__name__} holds several PreTrainedModels ({', '.join(name for name, _ in outer)}); "
+            "name one with attribute="
+        )
+    return outer[0][0] + ".", outer[0][1]
+
+
+def export_pretrained(
+    trainer: Any,
+    directory: str,
+    attribute: Optional[str] = None,
+    checkpoint: CheckpointChoice = None,
+    max_shard_size: ShardSize = DEFAULT_SHARD_SIZE,
+) -> str:
+    """Write the module's ``PreTrainedModel`` as ``save_pretrained`` does; return ``directory``.
+
+    ``from_pretrained(directory)`` then loads it with no missing or unexpected keys. Keys are
+    the model's own (the attribute holding it is stripped); tied weights are written once, as
+    ``save_pretrained`` writes them. ``checkpoint`` as in ``Trainer.validate`` (``"best"``,
+    ``"last"``, a path, or None for the current weights). Collective: call it on every rank.
+
+    Raises:
+        ValueError: no ``PreTrainedModel`` found (see :func:`pretrained_prefix`), or a bad ``max_shard_size``.
+
+    Example:
+        export_pretrained(trainer, "export/bert")   # then BertForSequenceClassification.from_pretrained("export/bert")
+    """
+    parse_shard_size(max_shard_size)
+    prefix, found = pretrained_prefix(trainer.module, attribute)
+    model: Any = found
+    trainer.load_checkpoint_weights(checkpoint, "export_pretrained")
+    state = trainer.backend.unsharded(trainer.module.state_dict())  # fsdp / model-parallel: gathered
+    own = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+    tied = set(_tied_keys(model)) & set(own)
+    weights = {key: value for key, value in own.items() if key not in tied}
+
+    def write() -> str:
+        os.makedirs(directory, exist_ok=True)
+        save_safetensors(weights, os.path.join(directory, WEIGHTS_NAME), max_shard_size)
+        model.config.save_pretrained(directory)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(directory)
+        return directory
+
+    result = on_main_then_everywhere(trainer.backend, write, f"export_pretrained to {directory!r}")
+    logger.info("export_pretrained: wrote %s (%d tensors, %d tied left out)", result, len(weights), len(tied))
+    return result
+
+
+def no_decay_parameter_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
+    """The ``transformers`` ``Trainer``'s AdamW groups: decay for every weight but biases and norms.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+        >>> [len(group["params"]) for group in no_decay_parameter_groups(net, 0.01)]
+        [1, 3]
+    """
+    no_decay: List[str] = []
+    for module_name, child in model.named_modules():
+        is_norm = isinstance(child, (torch.nn.LayerNorm, torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm))
+        is_norm = is_norm or "norm" in type(child).__name__.lower()
+        for name, _ in child.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            if is_norm or "bias" in name:
+                no_decay.append(full)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for name, p in named if name not in no_decay], "weight_decay": weight_decay},
+        {"params": [p for name, p in named if name in no_decay], "weight_decay": 0.0},
+    ]
+
+
+def linear_warmup_decay(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> Any:
+    """``get_linear_schedule_with_warmup``: from 0 to the learning rate in ``warmup_steps``, then linearly to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class PretrainedModule(ModuleInterface):
+    """Train a ``transformers`` ``PreTrainedModel`` as its ``Trainer`` would.
+
+    Batches are dicts of the model's keyword arguments (``input_ids``, ``attention_mask``,
+    ``labels``...), as a ``transformers`` data collator returns them; the loss is the model's
+    ``outputs.loss``. Validation logs ``val_loss`` and, for classifiers (logits
+    ``[batch, classes]``), ``accuracy``. ``self.model`` is the untouched model
+    (``self.model.generate(...)`` works), so :func:`export_pretrained` finds it.
+
+    Args:
+        model: the ``PreTrainedModel`` (with a head that computes a loss from ``labels``).
+        train_dataset / eval_dataset: map-style datasets of examples.
+        collate_fn: turns a list of examples into a batch dict (e.g. ``DataCollatorWithPadding``).
+        learning_rate, weight_decay, warmup_steps, adam_epsilon: as ``TrainingArguments`` names them.
+
+    Example:
+        >>> from transformers import BertConfig, BertForSequenceClassification  # doctest: +SKIP
+        >>> model = BertForSequenceClassification(BertConfig(num_labels=2))      # doctest: +SKIP
+        >>> module = PretrainedModule(model, train_dataset, eval_dataset, collate_fn=collator)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_dataset: Dataset,
+        eval_dataset: Optional[Dataset] = None,
+        collate_fn: Optional[Callable[[Sequence[Any]], Any]] = None,
+        learning_rate: float = 5e-5,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        adam_epsilon: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        pretrained_prefix(model)
+        self.model = model
+        self.train_dataset, self.eval_dataset, self.collate_fn = train_dataset, eval_dataset, collate_fn
+        self.learning_rate, self.weight_decay, self.warmup_steps, self.adam_epsilon = (
+            learning_rate,
+            weight_decay,
+            warmup_steps,
+            adam_epsilon,
+        )
+
+    def forward(self, **inputs: Any) -> Any:
+        return self.model(**inputs)
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Tuple[List[Any], List[Any]]:
+        groups = no_decay_parameter_groups(self.model, self.weight_decay)
+        optimizer = torch.optim.AdamW(groups, lr=self.learning_rate, eps=self.adam_epsilon)
+        return [optimizer], [linear_warmup_decay(optimizer, self.warmup_steps, estimated_global_steps_per_epoch * epochs)]
+
+    def get_train_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
+        return DataLoader(
+            self.train_dataset, batch_size=batch_size, sampler=sampler(self.train_dataset), collate_fn=self.collate_fn
+        )
+
+    def get_val_dataloaders(self, sampler: Any, batch_size: int) -> Optional[DataLoader]:
+        if self.eval_dataset is None:
+            return None
+        data = self.eval_dataset
+        return DataLoader(data, batch_size=batch_size, sampler=sampler(data), collate_fn=self.collate_fn)
+
+    def train_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        return self.model(**batch).loss
+
+    def val_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        outputs = self.model(**batch)
+        labels: Any = batch.get("labels") if isinstance(batch, dict) else None
+        size = int(labels.shape[0]) if isinstance(labels, torch.Tensor) else None
+        logits: Any = getattr(outputs, "logits", None)
+        if size is not None and isinstance(logits, torch.Tensor) and logits.dim() == 2 and labels.dim() == 1:
+            self.log("accuracy", (logits.argmax(-1) == labels).float().mean(), batch_size=size)
+        return outputs.loss
+
+
+def _tied_keys(model: torch.nn.Module) -> List[str]:
+    """Keys ``save_pretrained`` leaves out: the later names of a parameter shared under several names."""
+    seen: Dict[int, str] = {}
+    tied = []
+    for key, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            tied.append(key)
+        else:
+            seen[id(parameter)] = key
+    return tied
+
+
+def _pretrained_class() -> Any:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError as error:
+        raise ImportError("framework.integrations.transformers needs transformers: pip install transformers") from error
+    return PreTrainedModel

@@ -1,0 +1,120 @@
+"""``framework.integrations.transformers``: weights that ``from_pretrained`` loads (no missing or
+unexpected keys, identical logits) from sp and 2-rank fsdp, sharded as ``save_pretrained`` shards,
+and ``PretrainedModule`` (loss from ``outputs.loss``, the Trainer's no-decay groups). Tiny models
+built from configs: nothing is downloaded (``HF_HUB_OFFLINE=1``)."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+from distributed import run_ranks
+from toy import toy_args
+
+from framework import Trainer
+from framework.integrations.transformers import PretrainedModule, export_pretrained, no_decay_parameter_groups
+
+TOKENS = torch.randint(0, 64, (32, 12), generator=torch.Generator().manual_seed(0))
+
+
+def stack(examples):
+    return {key: torch.stack([example[key] for example in examples]) for key in examples[0]}
+
+
+def gpt2() -> PretrainedModule:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    data = [{"input_ids": row, "labels": row} for row in TOKENS]
+    return PretrainedModule(GPT2LMHeadModel(config), data, data[:8], collate_fn=stack, learning_rate=3e-3)
+
+
+def bert() -> PretrainedModule:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=2
+    )
+    labels = (TOKENS[:, 0] > 31).long()
+    data = [{"input_ids": row, "labels": label} for row, label in zip(TOKENS, labels)]
+    return PretrainedModule(BertForSequenceClassification(config), data, data, collate_fn=stack, learning_rate=3e-3)
+
+
+def reload_and_compare(directory: str, module: PretrainedModule, cls) -> None:
+    loaded, info = cls.from_pretrained(directory, output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    module.model.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=TOKENS[:4]).logits, module.model(input_ids=TOKENS[:4]).logits)
+
+
+def test_gpt2_trained_on_sp_loads_with_from_pretrained_sharded_as_save_pretrained_shards(tmp_path):
+    module = gpt2()
+    initial = module.model.transformer.wte.weight.detach().clone()
+    trainer = Trainer(module, toy_args(tmp_path, train_batch_size=8))
+    trainer.train()
+    assert not torch.equal(initial, module.model.transformer.wte.weight)  # trained through outputs.loss
+    directory = export_pretrained(trainer, str(tmp_path / "hf"), max_shard_size="20KB")
+    files = sorted(os.listdir(directory))
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json"} <= set(files)
+    shards = [name for name in files if name.startswith("model-")]
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    reload_and_compare(directory, module, GPT2LMHeadModel)
+    assert module.model.generate(TOKENS[:1, :4], max_new_tokens=3, do_sample=False).shape == (1, 7)
+
+
+def test_bert_classifier_loads_and_plain_export_weights_is_prefixed_by_the_attribute(tmp_path):
+    module = bert()
+    trainer = Trainer(module, toy_args(tmp_path, train_batch_size=8, epochs=2))
+    trainer.train()
+    assert trainer.validate()["accuracy"] > 0.5  # logged by val_step for a classifier
+    directory = trainer.export_pretrained(str(tmp_path / "hf"))
+    assert sorted(os.listdir(directory)) == ["config.json", "model.safetensors"]
+    reload_and_compare(directory, module, BertForSequenceClassification)
+    with pytest.warns(UserWarning, match=r"the keys carry the prefix 'model\.'.*export_pretrained"):
+        trainer.export_weights(str(tmp_path / "plain.safetensors"))  # keys as the module holds them, said so
+    with pytest.raises(ValueError, match=r"attribute='train_dataset' is a list, not a transformers PreTrainedModel"):
+        export_pretrained(trainer, str(tmp_path / "bad"), attribute="train_dataset")
+
+
+def test_no_decay_groups_are_the_trainers():
+    model = bert().model
+    decay, no_decay = no_decay_parameter_groups(model, 0.01)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert all("bias" in names[id(p)] or "LayerNorm" in names[id(p)] for p in no_decay["params"])
+    assert not any("bias" in names[id(p)] or "LayerNorm" in names[id(p)] for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def two_ranks(rank: int, out: str) -> dict:
+    dist.init_process_group("gloo")
+    results = {}
+    for backend in ("fsdp", "ddp"):
+        trainer = Trainer(gpt2(), toy_args(os.path.join(out, backend), backend=backend, train_batch_size=8))
+        trainer.train()
+        results[backend] = export_pretrained(trainer, os.path.join(out, f"{backend}-hf"), max_shard_size="30KB")
+        state = trainer.backend.unsharded(trainer.module.model.state_dict())
+        results[f"{backend}_state"] = {key: value.detach().clone() for key, value in state.items()}
+        trainer.close()
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gpt2_trained_on_two_rank_fsdp_and_ddp_loads_with_from_pretrained(tmp_path):
+    results = run_ranks(two_ranks, timeout=400, out=str(tmp_path))
+    for backend in ("fsdp", "ddp"):
+        assert results[0][backend] == results[1][backend]
+        loaded, info = GPT2LMHeadModel.from_pretrained(results[0][backend], output_loading_info=True)
+        assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+        reference = gpt2().model
+        reference.load_state_dict(results[0][f"{backend}_state"])
+        reference.eval()
+        loaded.eval()
+        with torch.no_grad():
+            assert torch.equal(loaded(input_ids=TOKENS[:4]).logits, reference(input_ids=TOKENS[:4]).logits)
+        assert not torch.equal(loaded.transformer.wte.weight, gpt2().model.transformer.wte.weight)

@@ -13,7 +13,7 @@ wrapping it after: the plan works on submodules and parameters, not on ``forward
 """
 
 import logging
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -56,6 +56,58 @@ def tensor_parallel_plan(module: torch.nn.Module) -> Optional[Dict[str, Any]]:
             f"(ColwiseParallel(), RowwiseParallel(), ...); got {plan!r}"
         )
     return plan
+
+
+TieSite = Tuple[str, str]
+"""Where a parameter is registered: (the submodule's name, the attribute)."""
+
+
+def tied_parameters(module: torch.nn.Module) -> List[List[TieSite]]:
+    """The parameters registered in more than one place (tied weights), each as its sites in module order.
+
+    Example:
+        >>> net = torch.nn.ModuleDict({"embed": torch.nn.Embedding(4, 2), "head": torch.nn.Linear(2, 4, bias=False)})
+        >>> net.head.weight = net.embed.weight
+        >>> tied_parameters(net)
+        [[('embed', 'weight'), ('head', 'weight')]]
+    """
+    sites: Dict[int, List[TieSite]] = {}
+    for name, submodule in module.named_modules(remove_duplicate=False):
+        for attribute, parameter in submodule._parameters.items():
+            if parameter is not None:
+                site = (name, attribute)
+                if site not in sites.setdefault(id(parameter), []):
+                    sites[id(parameter)].append(site)
+    return [group for group in sites.values() if len(group) > 1]
+
+
+def _layout(parameter: torch.Tensor) -> str:
+    placements = getattr(parameter, "placements", None)
+    return "whole on every rank" if placements is None else "split as " + ", ".join(map(repr, placements))
+
+
+def retie(module: torch.nn.Module, groups: List[List[TieSite]]) -> None:
+    """Tie each group's parameters again after the tensor-parallel split, which gives each site its own
+    DTensor: the first site's parameter is registered at every other site (one DTensor, one gradient).
+
+    Raises:
+        ValueError: the split laid the sites of a tie out differently (naming them and their layouts).
+    """
+    for group in groups:
+        parameters = [getattr(module.get_submodule(name), attribute) for name, attribute in group]
+        layouts = [_layout(parameter) for parameter in parameters]
+        mesh_of = [getattr(parameter, "device_mesh", None) for parameter in parameters]
+        if len(set(layouts)) > 1 or len({id(mesh) for mesh in mesh_of}) > 1:
+            names = [f"{name}.{attribute}" if name else attribute for name, attribute in group]
+            described = "; ".join(f"{name}: {layout}" for name, layout in zip(names, layouts))
+            raise ValueError(
+                f"{' and '.join(names)} are one tied parameter, but the tensor-parallel plan lays them out differently "
+                f"({described}); give every site the same layout (for a tied embedding and output head: "
+                "RowwiseParallel() on the embedding and ColwiseParallel() on the head, both split by vocabulary rows), "
+                "leave both out of the plan, or untie them"
+            )
+        for name, attribute in group[1:]:
+            setattr(module.get_submodule(name), attribute, parameters[0])
 
 
 class ModelParallel(FSDP):
@@ -215,12 +267,14 @@ class ModelParallel(FSDP):
         broadcast_from_rank_zero(target)  # the tensor-parallel split and the dp shards start from rank zero's weights
         if self.device_mesh is not None and self.tensor_parallel_size > 1:
             tp_mesh = self.device_mesh["tp"]
+            ties = tied_parameters(target)
             if custom_parallelize(target):
                 target.parallelize(tp_mesh)  # type: ignore[operator]
             else:
                 from torch.distributed.tensor.parallel import parallelize_module
 
                 parallelize_module(target, tp_mesh, tensor_parallel_plan(target))
+            retie(target, ties)  # the styles replace each site's parameter on its own: one DTensor again
         return super().wrap_module(module)
 
     def sharding_mesh(self, module: torch.nn.Module) -> Any:

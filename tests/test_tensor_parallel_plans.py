@@ -34,7 +34,9 @@ sys.path.pop(0)
 
 SAMPLES, BATCH, EPOCHS = 32, 8, 1  # 4 steps
 TOLERANCE = 1e-5
-CONFIG = LlamaArguments(vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=32, seq_len=8, samples=SAMPLES)
+CONFIG = LlamaArguments(
+    vocab_size=32, dim=16, n_layers=2, n_heads=2, hidden_dim=32, seq_len=8, samples=SAMPLES, learning_rate=3e-3
+)
 
 
 def titan_plan() -> dict:
@@ -79,6 +81,21 @@ class TitanLlama(TinyLlama):
         return loss
 
 
+class TiedTitanLlama(TitanLlama):
+    """Input and output embeddings one parameter (``output.weight = tok_embeddings.weight``)."""
+
+    def __init__(self, head_style=None) -> None:
+        super().__init__()
+        self.output.weight = self.tok_embeddings.weight
+        self.head_style = head_style
+
+    def tensor_parallel_plan(self) -> dict:
+        plan = titan_plan()
+        if self.head_style is not None:
+            plan["output"] = self.head_style
+        return plan
+
+
 class ManualTitanLlama(TitanLlama):
     automatic_optimization = False
 
@@ -120,6 +137,7 @@ def train(module: TitanLlama, args: TrainerArguments) -> dict:
         "weights": {name: tensor.detach().clone() for name, tensor in state.items()},
         "losses": list(module.losses),
         "norms": list(module.norms) or [r["value"] for r in history.records if r["name"] == "grad_norm"],
+        "val_loss": history.latest("val_loss"),
     }
 
 
@@ -187,6 +205,12 @@ def pair_scenarios(rank: int, out: str) -> dict:
     results["automatic"] = train(TitanLlama(), arguments(os.path.join(out, "mp")))
     manual = arguments(os.path.join(out, "mp-manual"), clip_grads=False, track_grad_norm=False)
     results["manual"] = train(ManualTitanLlama(), manual)
+    results["tied"] = train(TiedTitanLlama(), arguments(os.path.join(out, "mp-tied")))
+    try:  # the head split by input columns, the embedding by vocabulary rows: the tie cannot hold
+        head = RowwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        Trainer(TiedTitanLlama(head), arguments(os.path.join(out, "mp-tie-refused"))).train()
+    except ValueError as error:
+        results["tie_refused"] = str(error)
     dist.destroy_process_group()
     return results
 
@@ -198,9 +222,10 @@ def runs(tmp_path_factory):
     sp = train(TitanLlama(), arguments(os.path.join(out, "sp"), backend="sp"))
     manual = arguments(os.path.join(out, "sp-manual"), backend="sp", clip_grads=False, track_grad_norm=False)
     sp_manual = train(ManualTitanLlama(), manual)
+    tied = train(TiedTitanLlama(), arguments(os.path.join(out, "sp-tied"), backend="sp"))
     plain = TitanLlama()
     plain.loss(plain.train_ds[:BATCH]).backward()
-    return pair, sp, sp_manual, float(hand_written_norm(plain.parameters()))
+    return pair, sp, sp_manual, float(hand_written_norm(plain.parameters())), tied
 
 
 @pytest.mark.distributed
@@ -224,7 +249,7 @@ def hand_written_norm_of(wholes) -> float:
 @pytest.mark.slow
 def test_titan_plan_norm_on_1x2_is_the_true_norm(runs):
     """Catches: the sequence-parallel norm weights' Partial gradients counted twice (0.6037 vs 0.5880)."""
-    pair, _, _, sp_norm = runs
+    pair, _, _, sp_norm, _ = runs
     for result in pair:
         measured, expected, partial = result["plan"]
         assert "norm.weight" in partial and "layers.0.ffn_norm.weight" in partial  # the case under test is there
@@ -236,7 +261,7 @@ def test_titan_plan_norm_on_1x2_is_the_true_norm(runs):
 @pytest.mark.slow
 def test_clipping_and_track_grad_norm_with_sequence_parallel_norms_match_sp(runs):
     """Catches: clip_grads / track_grad_norm and manual clip_gradients measuring Partial gradients per tp rank."""
-    pair, sp, sp_manual, _ = runs
+    pair, sp, sp_manual, *_ = runs
     for result in pair:
         for mode, reference in (("automatic", sp), ("manual", sp_manual)):
             run = result[mode]
@@ -245,3 +270,25 @@ def test_clipping_and_track_grad_norm_with_sequence_parallel_norms_match_sp(runs
             assert run["losses"] == pytest.approx(reference["losses"], abs=TOLERANCE), mode
             for name, tensor in reference["weights"].items():
                 assert (run["weights"][name] - tensor).abs().max().item() <= TOLERANCE, (mode, name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tied_embeddings_stay_one_parameter_under_the_tensor_parallel_plan(runs):
+    """Catches: the plan giving the embedding and the head a DTensor each (the two ends train apart)."""
+    pair, *_, sp_tied = runs
+    for result in pair:
+        run = result["tied"]
+        assert torch.equal(run["weights"]["output.weight"], run["weights"]["tok_embeddings.weight"])
+        for name, tensor in sp_tied["weights"].items():
+            assert (run["weights"][name] - tensor).abs().max().item() <= TOLERANCE, name
+        assert run["losses"] == pytest.approx(sp_tied["losses"], abs=TOLERANCE)
+        assert run["val_loss"] == pytest.approx(sp_tied["val_loss"], abs=TOLERANCE)
+        reloaded = TiedTitanLlama()  # the user's tied module takes the weights back and gives the run's val loss
+        reloaded.load_state_dict(run["weights"])
+        tokens = reloaded.val_ds.tensors[0]
+        with torch.no_grad():
+            assert float(reloaded.loss([tokens])) == pytest.approx(run["val_loss"], abs=TOLERANCE)
+        refused = result["tie_refused"]
+        assert "tok_embeddings.weight and output.weight are one tied parameter" in refused
+        assert "Shard(dim=0)" in refused and "Shard(dim=1)" in refused

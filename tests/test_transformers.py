@@ -118,3 +118,23 @@ def test_gpt2_trained_on_two_rank_fsdp_and_ddp_loads_with_from_pretrained(tmp_pa
         with torch.no_grad():
             assert torch.equal(loaded(input_ids=TOKENS[:4]).logits, reference(input_ids=TOKENS[:4]).logits)
         assert not torch.equal(loaded.transformer.wte.weight, gpt2().model.transformer.wte.weight)
+
+
+def test_validate_equals_the_transformers_trainers_evaluate_on_the_same_weights(tmp_path):
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainingArguments
+
+    module = bert()
+    trainer = Trainer(module, toy_args(tmp_path, val_batch_size=16))
+    ours = trainer.validate()
+
+    def accuracy(prediction):
+        return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+    hf_args = TrainingArguments(
+        str(tmp_path / "hf"), per_device_eval_batch_size=16, report_to=[], use_cpu=True, disable_tqdm=True
+    )
+    hf = HFTrainer(model=module.model, args=hf_args, eval_dataset=module.eval_dataset, compute_metrics=accuracy)
+    theirs = hf.evaluate()
+    assert ours["accuracy"] == pytest.approx(theirs["eval_accuracy"], abs=1e-6)
+    assert ours["val_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-6)

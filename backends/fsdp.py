@@ -163,6 +163,16 @@ class FSDP(DDP):
         logger.debug("rank %d: sharded %d unit(s) and the root over %d ranks", self.rank, len(units), mesh.size())
         return module
 
+    def explain_failure(self, error: BaseException) -> Optional[str]:
+        explained = super().explain_failure(error)
+        if explained is not None and "ddp_timeout" in explained:  # a collective that one rank never joined
+            explained += (
+                f" Under {self.name}, a rank also waits there when a sharding unit's forward ran on some ranks and not "
+                "on others (a unit returned by sharding_units() that only some samples reach, such as one expert): "
+                "keep such branches inside one unit, as the default units do."
+            )
+        return explained
+
     def sharding_mesh(self, module: torch.nn.Module) -> Any:
         """The mesh ``fully_shard`` shards over, once the module is ready for it (None: do not
         shard); here every rank (a 1-D mesh)."""

@@ -313,3 +313,12 @@ def test_fsdp_amp_trains_in_bf16_with_fp32_master_weights_close_to_ddp_amp(tmp_p
     assert results["fsdp-amp losses"][-1] < results["fsdp-amp losses"][0]
     # bf16 compute on both sides (FSDP's param cast vs autocast): close, not equal.
     assert max_difference(results["ddp-amp"], results["fsdp-amp"]) < 5e-2
+
+
+def test_a_timeout_under_fsdp_names_units_that_not_every_rank_runs():
+    from backends.fsdp import FSDP
+
+    strategy = FSDP(timeout_seconds=5, use_gpu=False)
+    strategy.world_size = 2  # as after setup on 2 ranks
+    message = strategy.explain_failure(RuntimeError("[Gloo] Timed out waiting 5000ms for recv operation"))
+    assert "ddp_timeout=5s" in message and "sharding_units()" in message and "one expert" in message

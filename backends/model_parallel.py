@@ -12,17 +12,24 @@ wrapping it after: the plan works on submodules and parameters, not on ``forward
 ``fully_shard`` of the module's ``sharding_units()`` and the root over ``dp``.
 """
 
+import contextlib
 import logging
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, ContextManager, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from backends.batch import map_tensors
 from backends.ddp import reduce_over
 from backends.environments import ClusterEnvironment
 from backends.fsdp import FSDP, broadcast_from_rank_zero
 from backends.options import BackendArguments, option, strategy_options
 
 logger = logging.getLogger(__name__)
+
+LOSS_PARALLEL_ATTRIBUTE = "uses_loss_parallel"
+"""A module that sets this class attribute True computes its loss on vocabulary-sharded logits
+(a ``Shard(-1)`` DTensor from the head): the strategy keeps ``loss_parallel()`` open around each
+micro-batch's forward and backward, and around evaluation."""
 
 DEFAULT_PARALLELIZE_MARK = "_applies_tensor_parallel_plan"
 """Set on a ``parallelize`` method that only applies ``tensor_parallel_plan()`` (the framework's
@@ -110,6 +117,19 @@ def retie(module: torch.nn.Module, groups: List[List[TieSite]]) -> None:
             setattr(module.get_submodule(name), attribute, parameters[0])
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor made a plain tensor on every rank (differentiable: no copy when replicated); else ``tensor``."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+@contextlib.contextmanager
+def _inside_loss_parallel(context: ContextManager) -> Any:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with context, loss_parallel():
+        yield
+
+
 class ModelParallel(FSDP):
     """Tensor parallel within a group of ranks, FSDP2 data parallel across the groups.
 
@@ -156,6 +176,7 @@ class ModelParallel(FSDP):
         self.requested_tensor_parallel_size = tensor_parallel_size
         self.tensor_parallel_size = tensor_parallel_size or 1
         self.device_mesh: Any = None
+        self.loss_parallel = False
 
     @classmethod
     def from_arguments(cls, args: Optional[BackendArguments] = None) -> "ModelParallel":
@@ -275,7 +296,27 @@ class ModelParallel(FSDP):
 
                 parallelize_module(target, tp_mesh, tensor_parallel_plan(target))
             retie(target, ties)  # the styles replace each site's parameter on its own: one DTensor again
-        return super().wrap_module(module)
+            self.loss_parallel = bool(getattr(target, LOSS_PARALLEL_ATTRIBUTE, False))
+        wrapped = super().wrap_module(module)
+        if self.loss_parallel:  # the loss a step returns is a DTensor: the loop gets it whole, the backward still reaches it
+            wrapped.register_forward_hook(lambda _module, _inputs, outputs: map_tensors(outputs, _whole))
+        return wrapped
+
+    def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
+        """FSDP's context for one micro-batch, inside ``loss_parallel()`` when the module sets
+        ``uses_loss_parallel = True`` (its forward and backward both run in it, as torchtitan's
+        train context does)."""
+        return self._within_loss_parallel(super().no_sync(wrapped, skip_gradient_sync))
+
+    def inference(self, module: torch.nn.Module) -> ContextManager:
+        """FSDP's evaluation context, inside ``loss_parallel()`` as :meth:`no_sync` (a val_step's loss
+        on vocabulary-sharded logits)."""
+        return self._within_loss_parallel(super().inference(module))
+
+    def _within_loss_parallel(self, context: ContextManager) -> ContextManager:
+        if not self.loss_parallel:
+            return context
+        return _inside_loss_parallel(context)
 
     def sharding_mesh(self, module: torch.nn.Module) -> Any:
         """The ``dp`` axis of the mesh (None with one data-parallel rank: nothing to shard)."""
@@ -291,4 +332,5 @@ class ModelParallel(FSDP):
 
     def teardown(self) -> None:
         self.device_mesh = None
+        self.loss_parallel = False
         super().teardown()

@@ -77,7 +77,7 @@ class TitanLlama(TinyLlama):
 
     def train_step(self, global_step, batch, device):
         loss = self.loss(batch)
-        self.losses.append(loss.item())
+        self.losses.append((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).item())
         return loss
 
 
@@ -94,6 +94,46 @@ class TiedTitanLlama(TitanLlama):
         if self.head_style is not None:
             plan["output"] = self.head_style
         return plan
+
+
+class LossParallelLlama(TitanLlama):
+    """torchtitan's loss-parallel recipe: the head leaves vocabulary-sharded logits (a ``Shard(-1)`` DTensor) and
+    the loss is cross entropy on them, which needs ``loss_parallel()`` around forward and backward."""
+
+    uses_loss_parallel = True
+
+    def val_step(self, global_step, batch, device):
+        loss = self.loss(batch)  # a DTensor: logged whole
+        self.log("val_loss", loss.full_tensor(), batch_size=batch[0].shape[0])
+        return loss
+
+    def tensor_parallel_plan(self) -> dict:
+        plan = titan_plan()
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        return plan
+
+
+def hand_written_loss_parallel(steps: int) -> dict:
+    """The 2-D loop torchtitan runs (tp of 2, no dp): the plan by hand, forward and backward in
+    ``loss_parallel()``, AdamW; the data in order. Returns its per-step losses and whole weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    model = LossParallelLlama()
+    parallelize_module(model, init_device_mesh("cpu", (2,)), model.tensor_parallel_plan())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=CONFIG.learning_rate)
+    tokens, losses = model.train_ds.tensors[0], []
+    for step in range(steps):
+        with loss_parallel():
+            loss = model.loss([tokens[step * BATCH : (step + 1) * BATCH]])
+            loss.backward()
+        losses.append(loss.full_tensor().item())
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = {
+        name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor for name, tensor in model.state_dict().items()
+    }
+    return {"losses": losses, "weights": weights}
 
 
 class ManualTitanLlama(TitanLlama):
@@ -206,6 +246,9 @@ def pair_scenarios(rank: int, out: str) -> dict:
     manual = arguments(os.path.join(out, "mp-manual"), clip_grads=False, track_grad_norm=False)
     results["manual"] = train(ManualTitanLlama(), manual)
     results["tied"] = train(TiedTitanLlama(), arguments(os.path.join(out, "mp-tied")))
+    plain = dict(clip_grads=False, track_grad_norm=False)
+    results["loss_parallel"] = train(LossParallelLlama(), arguments(os.path.join(out, "mp-loss-parallel"), **plain))
+    results["loss_parallel_hand"] = hand_written_loss_parallel(SAMPLES // BATCH)
     try:  # the head split by input columns, the embedding by vocabulary rows: the tie cannot hold
         head = RowwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
         Trainer(TiedTitanLlama(head), arguments(os.path.join(out, "mp-tie-refused"))).train()
@@ -292,3 +335,17 @@ def test_tied_embeddings_stay_one_parameter_under_the_tensor_parallel_plan(runs)
         refused = result["tie_refused"]
         assert "tok_embeddings.weight and output.weight are one tied parameter" in refused
         assert "Shard(dim=0)" in refused and "Shard(dim=1)" in refused
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_loss_parallel_recipe_runs_in_automatic_optimization_as_the_hand_written_2d_loop(runs):
+    """Catches: backward outside loss_parallel() (aten.nll_loss_backward got mixed torch.Tensor and DTensor)."""
+    pair, *_ = runs
+    for result in pair:
+        run, hand = result["loss_parallel"], result["loss_parallel_hand"]
+        assert len(run["losses"]) == SAMPLES // BATCH
+        assert run["losses"] == pytest.approx(hand["losses"], abs=TOLERANCE)
+        for name, tensor in hand["weights"].items():
+            assert (run["weights"][name] - tensor).abs().max().item() <= TOLERANCE, name
+        assert run["val_loss"] is not None and run["val_loss"] < 4

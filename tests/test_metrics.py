@@ -363,3 +363,30 @@ def test_the_loss_tracker_finds_the_first_nonfinite_step_only_when_a_read_was_no
     tracker.after_read(mean)
     assert tracker.first_nonfinite_step() == 13
     assert tracker.state_dict()["first_nonfinite_step"] == 13
+
+
+class LogsTrainLoss(ToyModule):
+    """Logs its own ``train_loss`` (twice the loss: a value the framework never records) on every step."""
+
+    def train_step(self, global_step, batch, device):
+        loss = super().train_step(global_step, batch, device)
+        self.log("train_loss", loss.detach() * 2, on_step=True)
+        return loss
+
+
+def test_a_user_log_of_a_framework_name_replaces_its_series_with_a_warning_naming_the_clash(tmp_path):
+    trainer = Trainer(LogsTrainLoss(val_loaders=0), make_args(tmp_path, log_every_n_steps=2, epochs=2))
+    with pytest.warns(UserWarning, match=r"self\.log\('train_loss'\) records the series 'train_loss', a name the framework"):
+        trainer.train()
+    steps = [record["step"] for record in trainer.history.records if record["name"] == "train_loss"]
+    assert steps == sorted(set(steps)) and len(steps) == 8  # one series: one value per log point, not two
+    epochs = [record for record in trainer.history.records if record["name"] == "train_loss_epoch"]
+    assert len(epochs) == 2  # the user's epoch reduction, once per epoch
+    plain = Trainer(ToyModule(val_loaders=0), make_args(tmp_path / "plain", log_every_n_steps=2, epochs=2))
+    plain.train()
+    ours = {r["step"]: r["value"] for r in plain.history.records if r["name"] == "train_loss"}
+    theirs = {r["step"]: r["value"] for r in trainer.history.records if r["name"] == "train_loss"}
+    assert theirs[2] != pytest.approx(ours[2])  # the user's value (twice a step loss), not the framework's
+    with open(tmp_path / "run" / "metrics.csv", newline="") as handle:
+        rows = [(int(row["step"]), float(row["value"])) for row in csv.DictReader(handle) if row["name"] == "train_loss"]
+    assert rows == [(step, pytest.approx(theirs[step], rel=1e-6)) for step in steps]  # the CSV holds the one series

@@ -3,12 +3,19 @@
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 _REDUCTIONS = ("mean", "sum", "max", "min")
+FRAMEWORK_SERIES = {
+    "train_loss": "the mean training loss between log points",
+    "train_loss_epoch": "the epoch's mean training loss",
+}
+"""Names the framework records itself during training; a ``self.log`` of one replaces the framework's
+series (with a warning). ``val_loss``/``test_loss`` logged in a step replace the returned loss's silently."""
 
 
 class MetricHistory:
@@ -135,6 +142,7 @@ class MetricCollector:
         self._on_step: set = set()
         self._objects: Dict[str, Any] = {}  # torchmetrics Metric objects, computed and reset at the epoch's end
         self.batch: Any = None  # the batch of the step being run (set by the step dispatcher)
+        self.claimed: set = set()  # the series names the user's logs produce (kept across epochs)
 
     def log(
         self,
@@ -168,6 +176,8 @@ class MetricCollector:
             raise ValueError(f"log({name!r}, on_step=False, on_epoch=False) would record nothing; set one of them")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0):
             raise ValueError(f"log({name!r}, batch_size={batch_size!r}): allowed: an integer >= 0, or None to infer it")
+        if name not in self.claimed or (on_step and on_epoch):
+            self._claim((name, name + "_epoch") if on_step and on_epoch else (name,))
         if is_metric_object(value):
             self._log_metric_object(name, value, on_step, on_epoch)
             return
@@ -199,6 +209,20 @@ class MetricCollector:
             self._on_step.add(name)
         if on_epoch:
             self._accumulate(name, value, reduce, weight)
+
+    def _claim(self, names: Tuple[str, ...]) -> None:
+        for produced in names:
+            if produced in self.claimed:
+                continue
+            self.claimed.add(produced)
+            if produced in FRAMEWORK_SERIES:
+                warnings.warn(
+                    f"self.log({names[0]!r}) records the series {produced!r}, a name the framework records itself "
+                    f"({FRAMEWORK_SERIES[produced]}): your values replace the framework's under that name (one series); "
+                    "log under another name to keep both",
+                    UserWarning,
+                    stacklevel=4,
+                )
 
     def _log_metric_object(self, name: str, metric: Any, on_step: bool, on_epoch: bool) -> None:
         previous = self._reductions.setdefault(name, _METRIC_OBJECT)

@@ -89,7 +89,8 @@ class MetricRecorder:
             first = self.losses.first_nonfinite_step()
             first = self.backend.min_over_ranks(first if first is not None else 2**62)
             raise TrainingDiverged(first, value)
-        self.record({name: value})
+        if name not in self.collector.claimed:  # a user's self.log of this name replaces it: one series per name
+            self.record({name: value})
 
     def reduce(self, collected: Mapping[str, Tuple[Any, ...]], agree_on_names: bool = False) -> Dict[str, float]:
         """Collected device values as floats, reduced over ranks."""

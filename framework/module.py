@@ -234,6 +234,7 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         batch_size: Optional[int] = None,
         prog_bar: bool = False,
         sync_dist: bool = True,
+        logger: bool = True,
     ) -> None:
         """Record a metric from inside a step; it stays on the device until it is written.
 
@@ -250,15 +251,23 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         ranks) and then ``reset()``. ``prog_bar=True`` shows the value on the progress bar.
         ``sync_dist`` is accepted for Lightning code and changes nothing: values are always
         reduced over ranks, at log points and epoch ends only, so it costs no extra sync.
+        ``logger=False`` (Lightning's name) keeps the value out of the loggers (``metrics.csv``,
+        TensorBoard, ...): it still reaches ``trainer.history``, callbacks and the progress bar.
 
         Example:
             self.log("val_acc", self.val_acc, prog_bar=True)   # self.val_acc: torchmetrics Accuracy
         """
         if prog_bar:
             self.__dict__.setdefault("_prog_bar_names", set()).add(name)
+        if not logger:
+            self.__dict__.setdefault("_logger_off_names", set()).update((name, name + "_epoch"))
         metric_logger = self._metric_logger
         if metric_logger is not None:
             metric_logger.log(name, value, on_step=on_step, on_epoch=on_epoch, reduce=reduce, batch_size=batch_size)
+
+    def logger_off_names(self) -> Set[str]:
+        """The series logged with ``logger=False`` so far (kept out of the loggers)."""
+        return self.__dict__.get("_logger_off_names", set())
 
     def progress_bar_names(self) -> Set[str]:
         """The names logged with ``prog_bar=True`` so far (what the progress bar shows)."""

@@ -241,13 +241,59 @@ def build_optimizers_schedules(
         TypeError: the module's method failed on ``estimated_global_steps_per_epoch=None``.
         TypeError, ValueError: not ``([optimizers], [schedulers])``, or a bad scheduler dict.
     """
-    returned = _call(module, estimated_global_steps_per_epoch, epochs)
+    returned = lightning_return(_call(module, estimated_global_steps_per_epoch, epochs))
     scheduled: List[ScheduledLR] = []
     if isinstance(returned, (tuple, list)) and len(returned) == 2 and isinstance(returned[1], (list, tuple)):
         scheduled = [scheduled_lr(entry, index, default_interval, default_monitor) for index, entry in enumerate(returned[1])]
         returned = (returned[0], [entry.scheduler for entry in scheduled])
     optimizers, _ = check_optimizers_schedulers(returned)
     return optimizers, LRSchedules(scheduled)
+
+
+_OUTER_KEYS = ("optimizer", "lr_scheduler", "monitor")
+
+
+def lightning_return(returned: Any) -> Any:
+    """Lightning's ``configure_optimizers`` shapes as ``([optimizers], [schedulers])``: one
+    ``{"optimizer": o, "lr_scheduler": s_or_dict, "monitor": m}`` dict, or a list of them;
+    anything else is returned as it is (and checked by the caller).
+
+    Raises:
+        ValueError: an outer dict without ``"optimizer"`` or with an unknown key.
+
+    Example:
+        >>> optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+        >>> step = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        >>> lightning_return({"optimizer": optimizer, "lr_scheduler": {"scheduler": step, "interval": "epoch"}})[1]
+        [{'scheduler': <torch.optim.lr_scheduler.StepLR object at ...>, 'interval': 'epoch'}]
+    """
+    entries = [returned] if isinstance(returned, dict) else returned
+    if not (isinstance(entries, (list, tuple)) and entries and all(isinstance(entry, dict) for entry in entries)):
+        return returned
+    optimizers: List[Any] = []
+    schedulers: List[Any] = []
+    for index, entry in enumerate(entries):
+        unknown = [key for key in entry if key not in _OUTER_KEYS]
+        if unknown or "optimizer" not in entry:
+            raise ValueError(
+                f"get_optimizers_schedulers returned a dict (entry {index}) with keys {sorted(entry)}; Lightning's outer "
+                f"dict takes {list(_OUTER_KEYS)} and needs 'optimizer'"
+            )
+        optimizers.append(entry["optimizer"])
+        scheduler = entry.get("lr_scheduler")
+        if scheduler is None:
+            continue
+        if "monitor" in entry:
+            scheduler = (
+                {"monitor": entry["monitor"], **scheduler}
+                if isinstance(scheduler, dict)
+                else {
+                    "scheduler": scheduler,
+                    "monitor": entry["monitor"],
+                }
+            )
+        schedulers.append(scheduler)
+    return optimizers, schedulers
 
 
 def _call(module: Any, estimated_global_steps_per_epoch: Optional[int], epochs: int) -> Any:

@@ -122,6 +122,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
             args, self.backend, self.progress, self.history, self.loggers, self.hooks, self._metrics, self.losses
         )
         self.training_step = TrainingStep(module, args, self.backend, self.hooks, self.progress, self.losses, self._metrics)
+        self.recorder.hidden_names = module.logger_off_names  # self.log(..., logger=False): history and hooks only
         self.training_step.explain_schedule_error = lambda error: explain_exhausted_schedule(error, self)
         self.optimizers: List[torch.optim.Optimizer] = []
         self.schedulers: List[Any] = []

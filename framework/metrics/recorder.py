@@ -3,7 +3,7 @@ the history, the loggers (rank zero) and the ``on_log_metrics`` hooks."""
 
 import logging
 import math
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Set, Tuple
 
 import torch
 
@@ -50,6 +50,7 @@ class MetricRecorder:
     ) -> None:
         self.args, self.backend, self.progress, self.history = args, backend, progress, history
         self.loggers, self.hooks, self.collector, self.losses = loggers, hooks, collector, losses
+        self.hidden_names: Callable[[], Set[str]] = set  # names logged with logger=False (the trainer sets the module's)
 
     def log_train_metrics(self, stop_flags: List[bool]) -> List[bool]:
         """Read the loss since the last log point (and logged step values) back from the device,
@@ -103,7 +104,8 @@ class MetricRecorder:
             return
         step, epoch = self.progress.global_steps_finished, self.progress.epochs_finished
         records = [self.history.add(name, value, step, epoch) for name, value in metrics.items()]
-        self.loggers.log(records)  # rank zero
+        hidden = self.hidden_names()
+        self.loggers.log([record for record in records if record["name"] not in hidden] if hidden else records)  # rank zero
         self.hooks.call("on_log_metrics", step, dict(metrics))
 
     def start_loggers(self) -> None:

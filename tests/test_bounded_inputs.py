@@ -31,6 +31,7 @@ MEASURE = textwrap.dedent(
     from framework import parse_config
     from framework.run.finished_run import changed_settings
     from framework.run.run_identity import recorded_run_id
+    imported_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     @dataclasses.dataclass
     class Model:
@@ -46,7 +47,7 @@ MEASURE = textwrap.dedent(
     changes = changed_settings(sys.argv[2] + "/config.yaml", {"trainer": {"epochs": 1}})
     print(json.dumps({"message": len(message), "changes": len(repr(changes)), "text": message[:300],
                       "seconds": time.monotonic() - start,
-                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "imported_mb": imported_mb}))
     """
 )
 
@@ -69,7 +70,9 @@ def test_alias_bomb_refused_fast_small_and_with_a_short_message(tmp_path, where)
     assert "alias" in figures["text"] and "bomb.yaml" in figures["text"], figures
     assert figures["message"] < 100_000 and figures["changes"] < 100_000
     assert figures["seconds"] < 30
-    assert figures["rss_mb"] < 300, figures
+    # The issue's bound is 300 MB for the process; torch's import alone takes ~230 MB of it, so what the
+    # bomb may add is held tighter (the unbounded reader adds gigabytes).
+    assert figures["rss_mb"] - figures["imported_mb"] < 64, figures
 
 
 def test_deep_nesting_refused_with_a_message():

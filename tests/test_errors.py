@@ -49,7 +49,7 @@ def test_invalid_arguments(fields, message):
 def test_batch_not_divisible_into_micro_batches():
     with pytest.raises(ValueError, match=r"gpu_batch_size_limit=8 does not divide.*30.*e\.g\. 6, 5, 3"):
         micro_batch_plan(30, world_size=1, gpu_batch_size_limit=8)
-    with pytest.raises(ValueError, match=r"train_batch_size=33 is not divisible by the world size 2"):
+    with pytest.raises(ValueError, match=r"train_batch_size=33 is not divisible by the data-parallel size 2"):
         micro_batch_plan(33, world_size=2, gpu_batch_size_limit=None)
     with pytest.raises(ValueError, match="gpu_batch_size_limit=8"):
         Trainer(ToyModule(), TrainerArguments(train_batch_size=30, gpu_batch_size_limit=8))

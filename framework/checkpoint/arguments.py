@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
+from framework.checkpoint.storage_check import check_protocols
 from framework.run.typed_fields import check_field_types
 
 
@@ -56,6 +57,7 @@ class DefaultCheckpointerArguments:
 
     def __post_init__(self) -> None:
         check_field_types(self, "checkpointer")
+        check_protocols({"save_dir": self.save_dir, "load_dir": self.load_dir, "load_filename": self.load_filename})
         for name in ("period", "keep_best_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -120,7 +120,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
         """Told which strategy writes and reads; refuses storage its processes cannot share (``memory://``)."""
         super().setup(strategy)
         locations = {"save_dir": self.save_dir, "load_dir": self.args.load_dir, "load_filename": self.args.load_filename}
-        check_storage_serves(strategy.world_size, strategy.name, locations)
+        check_storage_serves(strategy.world_size, strategy.name, locations, shards=getattr(strategy, "shards_parameters", False))
 
     # -- one run per directory ----------------------------------------------------------
     def use_default_dir(self, default_dir: str) -> None:

@@ -7,19 +7,39 @@ only, at its first resume; ``fsdp``'s shards would be scattered over the process
 other fsspec URL (``s3://``, ``gs://``, a shared mount) serves every rank.
 """
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
+
+from framework.run.bounded_repr import bounded_repr
 
 PER_PROCESS_PROTOCOLS = ("memory",)
 """fsspec protocols whose files exist only inside the process that wrote them."""
+CACHING_PROTOCOLS = ("simplecache", "filecache", "blockcache", "cached")
+"""fsspec layers that keep a local copy of each file: a sharded checkpoint, written to temporary names
+and renamed into place, is renamed on the remote side while the bytes sit in the local cache."""
 
 
-def check_storage_serves(world_size: int, backend: str, locations: Dict[str, Optional[str]]) -> None:
-    """Refuse a per-process filesystem for any of ``locations`` when ``world_size`` > 1.
+def protocols_of(location: str) -> List[str]:
+    """The fsspec protocols of a URL, outermost first (``simplecache::s3://b`` -> ``['simplecache', 's3']``);
+    [] for a plain path.
+
+    Example:
+        >>> protocols_of("simplecache::file:///tmp/x"), protocols_of("/tmp/x")
+        (['simplecache', 'file'], [])
+    """
+    if "://" not in location and "::" not in location:
+        return []
+    return [part.split("://", 1)[0] for part in location.split("::") if part]
+
+
+def check_storage_serves(world_size: int, backend: str, locations: Dict[str, Optional[str]], shards: bool = False) -> None:
+    """Refuse storage that cannot serve the run: a protocol fsspec does not know (named with its option),
+    a caching layer under a sharded backend's ``save_dir``, a per-process filesystem when ``world_size`` > 1.
 
     Args:
         world_size: the number of processes of the run.
         backend: the backend's name, for the message.
         locations: ``{option: path or URL}`` (``None`` values are ignored).
+        shards: the backend writes sharded checkpoints (every rank its files, renamed into place).
 
     Raises:
         ValueError: naming the option, its value, why, and what to use instead.
@@ -31,16 +51,58 @@ def check_storage_serves(world_size: int, backend: str, locations: Dict[str, Opt
         ...
         ValueError: checkpointer_args.save_dir='memory://run' cannot serve the ddp backend's 2 processes: ...
     """
+    for option, location in locations.items():
+        protocols = protocols_of(str(location)) if location else []
+        if protocols:
+            _check_known(f"checkpointer_args.{option}", str(location), protocols)
+        if protocols and shards and option == "save_dir" and any(p in CACHING_PROTOCOLS for p in protocols):
+            raise ValueError(
+                f"checkpointer_args.{option}={bounded_repr(location)} cannot serve the {backend} backend: its ranks write "
+                f"sharded checkpoints to temporary names and rename them into place, which fsspec's caching layer "
+                f"({', '.join(p for p in protocols if p in CACHING_PROTOCOLS)}::) does not carry to the storage beneath "
+                "(the rename finds no file). Give the storage's own URL without the cache prefix"
+            )
     if world_size <= 1:
         return
     for option, location in locations.items():
         if not location:
             continue
-        protocol = str(location).split("::")[-1].split("://", 1)[0] if "://" in str(location) else None
+        protocol = protocols_of(str(location))[-1] if protocols_of(str(location)) else None
         if protocol in PER_PROCESS_PROTOCOLS:  # read from the URL: a local run never imports fsspec
             raise ValueError(
                 f"checkpointer_args.{option}={location!r} cannot serve the {backend} backend's {world_size} processes: "
                 f"fsspec's {protocol}:// filesystem exists only inside the process that wrote it, so the other ranks "
                 "would never see its checkpoints. Use a directory every rank shares (a local path on one host, a "
                 "shared mount, or an object store such as s3://bucket/run)"
+            )
+
+
+def check_protocols(locations: Dict[str, Optional[str]], prefix: str = "checkpointer") -> None:
+    """Refuse any of ``locations`` whose fsspec protocol fsspec does not know, naming its option
+    (fsspec's own ``Protocol not known`` names none). Plain paths never import fsspec.
+
+    Example:
+        >>> check_protocols({"save_dir": "/tmp/run", "load_dir": None})
+        >>> check_protocols({"save_dir": "MEMORY://run"})
+        Traceback (most recent call last):
+        ...
+        ValueError: checkpointer.save_dir='MEMORY://run': fsspec knows no protocol 'MEMORY'; did you mean 'memory' ...
+    """
+    for option, location in locations.items():
+        protocols = protocols_of(str(location)) if location else []
+        if protocols:
+            _check_known(f"{prefix}.{option}", str(location), protocols)
+
+
+def _check_known(option: str, location: str, protocols: List[str]) -> None:
+    """Refuse a protocol fsspec has no filesystem for, naming the option (fsspec's own error names none)."""
+    import fsspec  # only for URLs: a local run never imports it
+
+    known = set(fsspec.available_protocols())
+    for protocol in protocols:
+        if protocol not in known:
+            hint = f"; did you mean {protocol.lower()!r} (protocols are lower-case)" if protocol.lower() in known else ""
+            raise ValueError(
+                f"{option}={bounded_repr(location)}: fsspec knows no protocol {protocol!r}{hint} "
+                "(a local path, file://, memory://, s3://, gs://, ... with its package installed)"
             )

@@ -36,7 +36,7 @@ from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface, StepRunner
 from framework.run import checks
 from framework.run.arguments import TrainerArguments, micro_batch_plan
-from framework.run.config import own_copy
+from framework.run.config import config_callbacks, own_copy
 from framework.run.launcher_watch import LauncherWatch
 from framework.run.logging_setup import configure_logging
 from framework.run.preemption import PreemptionHandler, TrainingPreempted, parse_signals
@@ -111,6 +111,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         self.checkpointer = default_checkpointer(  # writes and reads through the strategy
             self.backend.strategy, checkpointer, args.checkpointer_args, default_dir=os.path.join(args.output_dir, "checkpoints")
         )
+        callbacks = [*callbacks, *config_callbacks(args)]  # + the config's trainer.callbacks
         self.callbacks: List[Callback] = with_default_callbacks(callbacks, args)  # + ModelSummary, ProgressBar
         self.hooks = HookDispatcher(module, self.callbacks)
         self.history = MetricHistory()
@@ -121,8 +122,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         self.recorder = MetricRecorder(
             args, self.backend, self.progress, self.history, self.loggers, self.hooks, self._metrics, self.losses
         )
-        self.training_step = TrainingStep(module, args, self.backend, self.hooks, self.progress, self.losses, self._metrics)
         self.recorder.hidden_names = module.logger_off_names  # self.log(..., logger=False): history and hooks only
+        self.training_step = TrainingStep(module, args, self.backend, self.hooks, self.progress, self.losses, self._metrics)
         self.training_step.explain_schedule_error = lambda error: explain_exhausted_schedule(error, self)
         self.optimizers: List[torch.optim.Optimizer] = []
         self.schedulers: List[Any] = []

@@ -223,7 +223,8 @@ def micro_batch_plan(
     train_batch_size: int, world_size: int, gpu_batch_size_limit: Optional[Union[int, str]]
 ) -> "tuple[int, int]":
     """Split the global batch into ``(micro_batch_size, gradient_accumulation)`` per process
-    (``"auto"`` before its search: the whole per-process batch).
+    (``"auto"`` before its search: the whole per-process batch). ``world_size`` is the data-parallel
+    size (the processes that split the batch; under model-parallel, world size / tensor_parallel_size).
 
     Raises:
         ValueError: the batch does not split evenly over processes or micro-batches.
@@ -234,7 +235,8 @@ def micro_batch_plan(
     """
     if train_batch_size % world_size:
         raise ValueError(
-            f"train_batch_size={train_batch_size} is not divisible by the world size {world_size}; use a multiple of {world_size}"
+            f"train_batch_size={train_batch_size} is not divisible by the data-parallel size {world_size} (the processes "
+            f"that each take a share of the batch); use a multiple of {world_size}"
         )
     per_process = train_batch_size // world_size
     if not isinstance(gpu_batch_size_limit, int) or gpu_batch_size_limit >= per_process:
@@ -242,8 +244,8 @@ def micro_batch_plan(
     if per_process % gpu_batch_size_limit:
         divisors = [d for d in range(gpu_batch_size_limit, 0, -1) if per_process % d == 0][:3]
         raise ValueError(
-            f"train_batch_size={train_batch_size} gives {per_process} samples per process (world size "
-            f"{world_size}), which gpu_batch_size_limit={gpu_batch_size_limit} does not divide into equal "
+            f"train_batch_size={train_batch_size} gives {per_process} samples per data-parallel rank (data-parallel "
+            f"size {world_size}), which gpu_batch_size_limit={gpu_batch_size_limit} does not divide into equal "
             f"micro-batches; use a limit that divides {per_process}, e.g. {', '.join(map(str, divisors))}"
         )
     return gpu_batch_size_limit, per_process // gpu_batch_size_limit

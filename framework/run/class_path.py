@@ -19,13 +19,29 @@ import difflib
 import functools
 import importlib
 import inspect
+import os
+import sys
+import sysconfig
+import typing
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from framework.run.bounded_repr import bounded_repr
+
 OPTIMIZER_SECTION = "optimizer"
+SCHEDULER_SECTION = "lr_scheduler"
+DATA_SECTION = "data"
+HANDED_TO_MODEL = (OPTIMIZER_SECTION, SCHEDULER_SECTION, DATA_SECTION)
+"""Sections built and handed to the model's class as the argument of the same name."""
+SPEC_SECTIONS = ("model", *HANDED_TO_MODEL)
+"""The top-level sections that may be given as ``class_path`` / ``init_args``."""
+ALLOW_ANY_CALLABLE = "FRAMEWORK_CONFIG_ALLOW_ANY_CALLABLE"
+"""Environment variable: ``1`` lets a ``class_path`` name any callable (a function, a standard-library
+class); without it a ``class_path`` must name a class outside Python's standard library."""
 _KEYS = ("class_path", "init_args")
+_STDLIB = os.path.normcase(os.path.realpath(sysconfig.get_paths()["stdlib"]))
 
 
 def is_class_spec(value: Any) -> bool:
@@ -36,6 +52,57 @@ def is_class_spec(value: Any) -> bool:
         (True, False)
     """
     return isinstance(value, Mapping) and "class_path" in value and set(value) <= set(_KEYS)
+
+
+def _from_stdlib(target: Any) -> bool:
+    module = sys.modules.get(getattr(target, "__module__", "") or "")
+    if module is None or getattr(target, "__module__", "") == "builtins":
+        return True
+    name = getattr(module, "__name__", "")
+    if name in getattr(sys, "stdlib_module_names", ()) or name.split(".")[0] in getattr(sys, "stdlib_module_names", ()):
+        return True
+    location = getattr(module, "__file__", None)
+    if not location:
+        return True  # built into the interpreter
+    location = os.path.normcase(os.path.realpath(location))
+    return location.startswith(_STDLIB + os.sep) and "site-packages" not in location
+
+
+def check_target(section: str, path: str, target: Any) -> Optional[str]:
+    """Why ``target`` (what ``section``'s ``class_path`` names) may not be built there, or None.
+
+    A ``class_path`` names a class outside Python's standard library (so ``os.system`` or
+    ``subprocess.Popen`` are refused); an ``optimizer`` section a ``torch.optim.Optimizer``
+    subclass, an ``lr_scheduler`` section a ``torch.optim.lr_scheduler`` class. With
+    ``FRAMEWORK_CONFIG_ALLOW_ANY_CALLABLE=1`` any callable is allowed (a config is then code).
+
+    Example:
+        >>> check_target("optimizer", "torch.nn.Linear", torch.nn.Linear)
+        "optimizer.class_path 'torch.nn.Linear' is not an optimizer: the optimizer section names a torch.optim.Optimizer subclass"
+    """
+    kind = section.rsplit(".", 1)[-1]
+    if os.environ.get(ALLOW_ANY_CALLABLE) == "1":
+        return None if callable(target) else f"{section}.class_path {path!r} names a {type(target).__name__}, not a callable"
+    if not isinstance(target, type):
+        return (
+            f"{section}.class_path {path!r} names a {type(target).__name__}, not a class; a config builds classes only "
+            f"(set {ALLOW_ANY_CALLABLE}=1 to let it call any function)"
+        )
+    if kind == OPTIMIZER_SECTION and not issubclass(target, torch.optim.Optimizer):
+        return f"{section}.class_path {path!r} is not an optimizer: the optimizer section names a torch.optim.Optimizer subclass"
+    if kind == SCHEDULER_SECTION and not (
+        issubclass(target, torch.optim.lr_scheduler.LRScheduler) or target.__module__.startswith("torch.optim.lr_scheduler")
+    ):
+        return (
+            f"{section}.class_path {path!r} is not a learning-rate scheduler: the lr_scheduler section names a "
+            "class of torch.optim.lr_scheduler (or a subclass of LRScheduler)"
+        )
+    if _from_stdlib(target):
+        return (
+            f"{section}.class_path {path!r} is a class of Python's standard library, which a config may not build "
+            f"(it could run commands or touch files); set {ALLOW_ANY_CALLABLE}=1 if you mean it"
+        )
+    return None
 
 
 def import_class(path: Any) -> Any:
@@ -69,17 +136,31 @@ def check_class_spec(section: str, spec: Mapping[str, Any]) -> List[str]:
         >>> check_class_spec("optimizer", {"class_path": "torch.optim.SGD", "init_args": {"lrr": 0.1}})
         ["optimizer.init_args.lrr: torch.optim.SGD takes no argument 'lrr'; did you mean 'lr'?"]
     """
+    extra = [key for key in spec if key not in _KEYS]
+    if extra:
+        close = difflib.get_close_matches(str(extra[0]), _KEYS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return [f"{section}: unknown key {bounded_repr(extra[0])} beside class_path; allowed: class_path, init_args{hint}"]
+    if "class_path" not in spec:
+        return [f"{section}.init_args given without a class_path naming the class they are for"]
     try:
         cls = import_class(spec.get("class_path"))
     except ValueError as error:
         return [f"{section}.class_path: {error}"]
+    refused = check_target(section, str(spec["class_path"]), cls)
+    if refused:
+        return [refused]
     init_args = spec.get("init_args") or {}
     if not isinstance(init_args, Mapping):
-        return [f"{section}.init_args must be a mapping of argument names to values, got {init_args!r}"]
+        return [
+            f"{section}.init_args must be a mapping of argument names to values ({{name: value}}), "
+            f"got {type(init_args).__name__} {bounded_repr(init_args)}"
+        ]
     try:
         parameters = inspect.signature(cls).parameters
     except (TypeError, ValueError):
         return []
+    hints = _hints(cls)
     errors = []
     takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
     for name, value in init_args.items():
@@ -89,7 +170,93 @@ def check_class_spec(section: str, spec: Mapping[str, Any]) -> List[str]:
             errors.append(f"{section}.init_args.{name}: {spec['class_path']} takes no argument {name!r}{hint}")
         elif is_class_spec(value):
             errors.extend(check_class_spec(f"{section}.init_args.{name}", value))
+        elif name in hints:
+            from framework.run.config_convert import convert, type_name
+
+            try:
+                convert(value, hints[name], from_text=False)
+            except (TypeError, ValueError) as error:
+                errors.append(
+                    f"{section}.init_args.{name}={bounded_repr(value)}: {spec['class_path']} takes "
+                    f"{name}: {type_name(hints[name])}; {error}"
+                )
     return errors
+
+
+def check_handed_sections(specs: Mapping[str, Mapping[str, Any]]) -> List[str]:
+    """Every ``optimizer`` / ``lr_scheduler`` / ``data`` section that nothing would use: without a ``model``
+    section, or for a model class that takes no argument of that name.
+
+    Example:
+        >>> check_handed_sections({"lr_scheduler": {"class_path": "torch.optim.lr_scheduler.StepLR"}})[0][:60]
+        "the 'lr_scheduler' section is handed to the model section's "
+    """
+    handed = [name for name in HANDED_TO_MODEL if name in specs]
+    if not handed:
+        return []
+    if "model" not in specs:
+        return [
+            f"the {name!r} section is handed to the model section's class as {name}=, but the config has no model "
+            "section with a class_path; add one, or leave the section out"
+            for name in handed
+        ]
+    try:
+        parameters = inspect.signature(import_class(specs["model"].get("class_path"))).parameters
+    except (TypeError, ValueError):
+        return []  # reported by check_class_spec
+    takes_any = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values())
+    return [
+        f"the config has a {name!r} section, but {specs['model']['class_path']} takes no {name!r} argument; "
+        f"add one ({_HANDED_AS[name]}) or leave the section out"
+        for name in handed
+        if name not in parameters and not takes_any
+    ]
+
+
+_HANDED_AS = {
+    OPTIMIZER_SECTION: "a callable: params -> optimizer",
+    SCHEDULER_SECTION: "a callable: optimizer -> scheduler",
+    DATA_SECTION: "the object the data section builds",
+}
+
+
+def check_callbacks(specs: Any) -> List[str]:
+    """Every mistake in ``trainer.callbacks``: a list of ``{class_path, init_args}`` naming Callback classes.
+
+    Example:
+        >>> check_callbacks([{"class_path": "framework.callbacks.EarlyStopping", "init_args": {"monitorr": "val"}}])[0][:45]
+        'trainer.callbacks[0].init_args.monitorr: fram'
+    """
+    from framework.callbacks.base import Callback
+
+    if specs is None:
+        return []
+    if not isinstance(specs, (list, tuple)):
+        return [
+            f"trainer.callbacks must be a list of {{class_path, init_args}}, got {type(specs).__name__} {bounded_repr(specs)}"
+        ]
+    errors = []
+    for index, spec in enumerate(specs):
+        where = f"trainer.callbacks[{index}]"
+        if not isinstance(spec, Mapping):
+            errors.append(f"{where} must be a mapping {{class_path, init_args}}, got {bounded_repr(spec)}")
+            continue
+        found = check_class_spec(where, spec)
+        if not found:
+            cls = import_class(spec["class_path"])
+            if not (isinstance(cls, type) and issubclass(cls, Callback)):
+                found = [f"{where}.class_path {spec['class_path']!r} is not a framework.callbacks.Callback subclass"]
+        errors += found
+    return errors
+
+
+def _hints(cls: Any) -> Dict[str, Any]:
+    """The type annotations of ``cls``'s constructor (or of a function), {} where they do not resolve."""
+    target = cls.__init__ if isinstance(cls, type) else cls  # type: ignore[misc]  # its own constructor
+    try:
+        return typing.get_type_hints(target)
+    except Exception:  # unresolvable forward references: no type check, the names are still checked
+        return {}
 
 
 def build(spec: Mapping[str, Any], **extra: Any) -> Any:
@@ -102,6 +269,17 @@ def build(spec: Mapping[str, Any], **extra: Any) -> Any:
     """
     arguments = {name: _argument(value) for name, value in (spec.get("init_args") or {}).items()}
     return import_class(spec["class_path"])(**arguments, **extra)
+
+
+def scheduler_factory(spec: Mapping[str, Any]) -> Callable[..., Any]:
+    """``optimizer -> class_path(optimizer, **init_args)`` for an ``lr_scheduler`` section.
+
+    Example:
+        >>> make = scheduler_factory({"class_path": "torch.optim.lr_scheduler.StepLR", "init_args": {"step_size": 3}})
+        >>> make(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)).step_size
+        3
+    """
+    return functools.partial(import_class(spec["class_path"]), **dict(spec.get("init_args") or {}))
 
 
 def optimizer_factory(spec: Mapping[str, Any]) -> Callable[..., torch.optim.Optimizer]:
@@ -123,7 +301,7 @@ def is_class_override(key: str) -> bool:
         (True, False)
     """
     _, _, rest = key.partition(".")
-    return rest == "class_path" or rest.startswith("init_args.")
+    return rest in ("class_path", "init_args") or rest.startswith("init_args.")
 
 
 def apply_class_override(specs: Dict[str, Dict[str, Any]], key: str, text: str) -> bool:
@@ -137,13 +315,19 @@ def apply_class_override(specs: Dict[str, Dict[str, Any]], key: str, text: str) 
     """
     if not is_class_override(key):
         return False
-    import yaml
-
     section, *path = key.split(".")  # init_args.config.init_args.width reaches into a nested spec
     node = specs.setdefault(section, {})
     for part in path[:-1]:
         node = node.setdefault(part, {})
-    node[path[-1]] = text if path[-1] == "class_path" else yaml.safe_load(text)
+    if path[-1] == "class_path":
+        node[path[-1]] = text
+    else:
+        from framework.run.bounded_yaml import YamlRefused, load_yaml
+
+        try:
+            node[path[-1]] = load_yaml(text)
+        except YamlRefused:
+            node[path[-1]] = text  # not YAML: the text itself, checked like any value
     return True
 
 
@@ -155,8 +339,9 @@ def _argument(value: Any) -> Any:
 
 
 def build_module(specs: Mapping[str, Mapping[str, Any]], section: str = "model") -> Any:
-    """The module ``specs[section]`` describes, given ``optimizer=`` from an ``optimizer`` section
-    when there is one (the module must then take an ``optimizer`` argument).
+    """The module ``specs[section]`` describes, given ``optimizer=`` from an ``optimizer`` section,
+    ``lr_scheduler=`` (a callable ``optimizer -> scheduler``) from an ``lr_scheduler`` section and
+    ``data=`` (built) from a ``data`` section when there are (the module must take those arguments).
 
     Raises:
         ValueError: no such section, or an optimizer section for a module that takes none.
@@ -166,13 +351,14 @@ def build_module(specs: Mapping[str, Mapping[str, Any]], section: str = "model")
     """
     if section not in specs:
         raise ValueError(f"the config has no {section!r} section with a class_path; sections with one: {sorted(specs)}")
+    problems = check_handed_sections({name: spec for name, spec in specs.items() if name in (section, *HANDED_TO_MODEL)})
+    if problems:
+        raise ValueError("; ".join(problems))
     extra: Dict[str, Any] = {}
     if OPTIMIZER_SECTION in specs:
-        cls = import_class(specs[section]["class_path"])
-        if "optimizer" not in inspect.signature(cls).parameters:
-            raise ValueError(
-                f"the config has an optimizer section, but {specs[section]['class_path']} takes no 'optimizer' argument; "
-                "add one (a callable: params -> optimizer) or leave the section out"
-            )
-        extra["optimizer"] = optimizer_factory(specs[OPTIMIZER_SECTION])
+        extra[OPTIMIZER_SECTION] = optimizer_factory(specs[OPTIMIZER_SECTION])
+    if SCHEDULER_SECTION in specs:
+        extra[SCHEDULER_SECTION] = scheduler_factory(specs[SCHEDULER_SECTION])
+    if DATA_SECTION in specs:
+        extra[DATA_SECTION] = build(specs[DATA_SECTION])
     return build(specs[section], **extra)

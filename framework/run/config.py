@@ -9,14 +9,11 @@ LightningCLI's ``class_path`` / ``init_args`` (framework/run/class_path.py); ``-
 the resolved config as YAML and exits.
 """
 
-import ast
 import dataclasses
 import difflib
-import inspect
+import logging
 import os
-import re
 import sys
-import textwrap
 import typing
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
@@ -24,15 +21,27 @@ from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.run.arguments import TrainerArguments
 from framework.run.bounded_repr import bounded_repr
 from framework.run.bounded_yaml import YamlRefused, load_yaml
-from framework.run.class_path import apply_class_override, build_module, check_class_spec, is_class_override, is_class_spec
+from framework.run.class_path import (
+    HANDED_TO_MODEL,
+    SPEC_SECTIONS,
+    apply_class_override,
+    build,
+    build_module,
+    check_callbacks,
+    check_class_spec,
+    check_handed_sections,
+    is_class_override,
+)
 from framework.run.config_convert import convert, plain, type_name
+from framework.run.config_help import _HIDDEN_FIELDS, _usage, format_help
+from framework.run.lightning_names import LIGHTNING_ALIASES, LIGHTNING_HINTS, LIGHTNING_TOP_LEVEL
 from framework.run.run_identity import RUN_ID_KEY
 from framework.run.yaml_text import to_yaml
 
+logger = logging.getLogger("framework")
 DEFAULT_SECTIONS: Dict[str, Type] = {"trainer": TrainerArguments, "checkpointer": DefaultCheckpointerArguments}
 SHORTCUTS = {"backend": "trainer.backend"}
 _NO_VALUE = object()  # a flag given without a value: true for booleans, an error otherwise
-_HIDDEN_FIELDS = {("trainer", "checkpointer_args")}  # set from the checkpointer section
 __all__ = ["ConfigError", "RunConfig", "convert", "format_help", "parse_config", "resolved_config", "suggest"]
 
 
@@ -57,6 +66,7 @@ class RunConfig:
     def __init__(self, sections: Dict[str, Any]) -> None:
         self.sections = sections
         self.class_specs: Dict[str, Dict[str, Any]] = {}  # sections given as class_path / init_args
+        self.callback_specs: List[Dict[str, Any]] = []  # trainer.callbacks, as class_path / init_args
         for name, value in sections.items():
             setattr(self, name, value)
 
@@ -66,6 +76,11 @@ class RunConfig:
         if "model" not in self.class_specs and default is not None:
             return default()
         return build_module(self.class_specs)
+
+    def build_callbacks(self) -> List[Any]:
+        """The callbacks ``trainer.callbacks`` names (LightningCLI's list of ``class_path`` / ``init_args``),
+        built; the :class:`~framework.Trainer` adds them after its ``callbacks=`` argument."""
+        return [build(spec) for spec in self.callback_specs]
 
     def to_dict(self) -> Dict[str, Dict[str, Any]]:
         """Every section as plain YAML-safe values; the checkpointer section is the trainer's
@@ -80,6 +95,8 @@ class RunConfig:
                 values = section
             result[name] = plain(values)
         result.update({name: plain(spec) for name, spec in self.class_specs.items()})
+        if self.callback_specs and "trainer" in result:
+            result["trainer"]["callbacks"] = plain(self.callback_specs)
         trainer = self.sections.get("trainer")
         if isinstance(trainer, TrainerArguments) and "checkpointer" in result:
             result["checkpointer"] = plain(dataclasses.asdict(trainer.checkpointer_args))
@@ -110,6 +127,16 @@ def resolved_config(args: TrainerArguments) -> RunConfig:
     return RunConfig({"trainer": args, "checkpointer": args.checkpointer_args})
 
 
+def config_callbacks(args: TrainerArguments) -> List[Any]:
+    """The callbacks the config of ``args`` names in ``trainer.callbacks``, built ([] for arguments built in code).
+
+    Example:
+        >>> config_callbacks(TrainerArguments())
+        []
+    """
+    return resolved_config(args).build_callbacks()
+
+
 def own_copy(args: TrainerArguments) -> TrainerArguments:
     """A copy of ``args`` the trainer may change (its ``output_dir`` moves to ``version_<N>``), still
     saved with the user's own config sections.
@@ -124,6 +151,8 @@ def own_copy(args: TrainerArguments) -> TrainerArguments:
     config = args.run_config
     if config is not None and config.sections.get("trainer") is args:
         copy.run_config = RunConfig({**config.sections, "trainer": copy})
+        copy.run_config.class_specs = config.class_specs
+        copy.run_config.callback_specs = config.callback_specs
     return copy
 
 
@@ -193,26 +222,45 @@ def _build_or_exit(classes: Dict[str, Type], argv: List[str], program: str, exit
         raise SystemExit(2) from None
 
 
-def _usage(program: str) -> str:
-    return f"usage: {program} [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--backend NAME]  (--help lists every field)"
-
-
 def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
     config_path, overrides = _split_arguments(argv)
     values: Dict[str, Dict[str, Any]] = {name: {} for name in classes}
     fields = _field_index(classes)
     given: List[Tuple[str, Any, str, bool]] = []  # (key, value, source, from_text), in order
     data = _load_yaml(config_path) if config_path is not None else {}
-    specs = {name: dict(value) for name, value in data.items() if is_class_spec(value)}  # class_path / init_args
+    errors: List[str] = []
+    specs = {name: dict(value) for name, value in data.items() if _names_class(name, value)}  # class_path / init_args
+    callback_specs: Any = []
     if config_path is not None:
-        given += [(key, value, config_path, False) for key, value in _flatten(data, config_path).items()]
+        flat = _flatten(data, config_path, errors)
+        callback_specs = flat.pop("trainer.callbacks", [])
+        given += [(key, value, config_path, False) for key, value in flat.items()]
     for key, text in overrides:
         if text is _NO_VALUE and is_class_override(key):
-            raise ConfigError(f"--{key} needs a value")
-        if not apply_class_override(specs, key, text):
+            errors.append(f"--{key} needs a value")
+        elif key == "trainer.callbacks":
+            from framework.run.bounded_yaml import YamlRefused, load_yaml
+
+            try:
+                callback_specs = load_yaml(text) if isinstance(text, str) else text
+            except YamlRefused as error:
+                errors.append(f"--trainer.callbacks: {error}")
+        elif key.split(".")[0] in classes or not apply_class_override(specs, key, text):
             given.append((key, text, "command line", True))
-    errors: List[str] = [error for name, spec in specs.items() for error in check_class_spec(name, spec)]
-    for key, value, source, from_text in given:
+    for name in specs:
+        if name not in SPEC_SECTIONS:
+            errors.append(
+                f"section {name!r} names a class (class_path), which only the sections {', '.join(SPEC_SECTIONS)} may; "
+                f"the others take fields{_own_section_hint(name, classes)}"
+            )
+    errors += [error for name, spec in specs.items() if name in SPEC_SECTIONS for error in check_class_spec(name, spec)]
+    errors += check_handed_sections(specs)
+    errors += check_callbacks(callback_specs)
+    for index, (key, value, source, from_text) in enumerate(given):
+        if key in LIGHTNING_ALIASES:
+            logger.warning("%s (from %s) is Lightning's name; read as %s", key, source, LIGHTNING_ALIASES[key])
+            key = LIGHTNING_ALIASES[key]
+            given[index] = (key, value, source, from_text)
         try:
             _assign(values, fields, key, value, source=source, from_text=from_text)
         except ConfigError as error:
@@ -222,20 +270,30 @@ def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
         errors.extend(_unknown_backend(values["trainer"]["backend"], backend_source))
     built = {}
     for name, cls in classes.items():
-        if errors:
-            break
         try:
             built[name] = cls(**values[name])
         except (TypeError, ValueError) as error:
-            errors.append(f"section {name!r}: {error}")
+            errors.extend(_every_field_error(name, cls, values[name], error))
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{len(errors)} config errors:\n  " + "\n  ".join(errors))
     trainer = built["trainer"]
     trainer.checkpointer_args = built["checkpointer"]
     config = RunConfig(built)
     config.class_specs = specs
+    config.callback_specs = [dict(spec) for spec in callback_specs]
     trainer.run_config = config  # lets the trainer save every section
     return config
+
+
+def _every_field_error(name: str, cls: Type, values: Dict[str, Any], error: Exception) -> List[str]:
+    """The checks ``cls(**values)`` failed, one per field (each field tried alone), else ``error`` itself."""
+    found = []
+    for field, value in values.items():
+        try:
+            cls(**{field: value})
+        except (TypeError, ValueError) as alone:
+            found.append(f"section {name!r}: {alone}")
+    return found or [f"section {name!r}: {error}"]
 
 
 def _unknown_backend(name: Any, source: str) -> List[str]:
@@ -293,7 +351,18 @@ def _load_yaml(path: str) -> Dict[str, Any]:
     return data
 
 
-def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
+def _names_class(name: str, value: Any) -> bool:
+    """True for a top-level section given as ``class_path`` / ``init_args`` (or meant as one)."""
+    return isinstance(value, Mapping) and (
+        "class_path" in value or (name in (*HANDED_TO_MODEL, "model") and "init_args" in value)
+    )
+
+
+def _own_section_hint(name: str, classes: Mapping[str, Type]) -> str:
+    return f" (the {name!r} section is the program's own: give its fields)" if name in classes else ""
+
+
+def _flatten(data: Mapping[str, Any], source: str, errors: Optional[List[str]] = None) -> Dict[str, Any]:
     """``{section: {field: value}}`` (and top-level shortcuts) as ``{"section.field": value}``."""
     flat = {}
     for key, value in data.items():
@@ -302,7 +371,9 @@ def _flatten(data: Mapping[str, Any], source: str) -> Dict[str, Any]:
             continue  # the id of the run that saved this config.yaml: not a setting
         if key in SHORTCUTS:
             flat[SHORTCUTS[key]] = value
-        elif value is None or is_class_spec(value):
+        elif key in LIGHTNING_TOP_LEVEL and errors is not None:
+            errors.append(f"{key!r} (from {source}) is LightningCLI's top-level key; here it is {LIGHTNING_TOP_LEVEL[key]}")
+        elif value is None or _names_class(key, value):
             continue  # an empty section, or a class_path one (framework/run/class_path.py)
         elif isinstance(value, Mapping):
             for name, item in value.items():
@@ -362,6 +433,8 @@ def suggest(key: str, valid: Sequence[str]) -> Optional[str]:
 def _assign(
     values: Dict[str, Dict[str, Any]], fields: Dict[str, Tuple[str, str, Any]], key: str, value: Any, source: str, from_text: bool
 ) -> None:
+    if key in LIGHTNING_HINTS:
+        raise ConfigError(f"{key} (from {source}) is a Lightning setting; here it is {LIGHTNING_HINTS[key]}")
     if key not in fields:
         close = suggest(key, list(fields))
         hint = f"; did you mean {close!r}?" if close else f"; valid sections: {sorted({f[0] for f in fields.values()})}"
@@ -375,70 +448,3 @@ def _assign(
         values[section][name] = convert(value, hint, from_text)
     except (TypeError, ValueError) as error:
         raise ConfigError(f"{key}={bounded_repr(value)} (from {source}): {error}") from None
-
-
-def field_docs(cls: Type) -> Dict[str, str]:
-    """The string literal under each dataclass field (its attribute docstring), base classes included."""
-    docs: Dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if klass is object or not dataclasses.is_dataclass(klass):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, following in zip(body, body[1:]):
-            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-                continue
-            if (
-                isinstance(following, ast.Expr)
-                and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(following.value.value.split())
-    return docs
-
-
-def _default_text(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        return repr(f.default)
-    if f.default_factory is not dataclasses.MISSING:
-        try:
-            return repr(f.default_factory())
-        except Exception:  # help must not fail on a factory
-            return "(computed)"
-    return "(required)"
-
-
-def _plain_text(text: str) -> str:
-    """Docstring markup (``code``, :class:`~x.Y`) as plain text for the terminal."""
-    text = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", text)
-    return text.replace("``", "")
-
-
-def format_help(classes: Mapping[str, Type], program: str = "run.py", current: Optional[RunConfig] = None) -> str:
-    """The ``--help`` text: every section and field with type, default and description;
-    with ``current`` (the other arguments, parsed), values that differ from the defaults."""
-    lines = [
-        _usage(program).split("  (")[0],
-        "",
-        "Values come from the field defaults, then --config, then the command line.",
-        "A boolean field given without a value is set to true. --backend NAME is --trainer.backend NAME.",
-    ]
-    for section, cls in classes.items():
-        summary = (inspect.getdoc(cls) or "").strip().splitlines()
-        lines += ["", f"{section}:" + (f"  {_plain_text(summary[0])}" if summary else "")]
-        values = current.to_dict().get(section, {}) if current is not None else {}
-        docs = field_docs(cls)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if (section, f.name) in _HIDDEN_FIELDS or not f.init:
-                continue
-            default = _default_text(f)
-            now = repr(values[f.name]) if f.name in values else default
-            this_run = f"; this run: {now}" if now != default else ""
-            lines.append(f"  --{section}.{f.name} ({type_name(hints.get(f.name, f.type))}, default {default}{this_run})")
-            if f.name in docs:
-                lines.append(f"      {_plain_text(docs[f.name])}")
-    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""The ``--help`` text of :func:`framework.run.config.parse_config`: every section and field with its
+type, default and the docstring written under the field."""
+
+import ast
+import dataclasses
+import inspect
+import re
+import textwrap
+import typing
+from typing import Any, Dict, Mapping, Optional, Type
+
+from framework.run.config_convert import type_name
+
+_HIDDEN_FIELDS = {("trainer", "checkpointer_args")}  # set from the checkpointer section
+
+
+def _usage(program: str) -> str:
+    return f"usage: {program} [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--backend NAME]  (--help lists every field)"
+
+
+def field_docs(cls: Type) -> Dict[str, str]:
+    """The string literal under each dataclass field (its attribute docstring), base classes included."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, following in zip(body, body[1:]):
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            if (
+                isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        try:
+            return repr(f.default_factory())
+        except Exception:  # help must not fail on a factory
+            return "(computed)"
+    return "(required)"
+
+
+def _plain_text(text: str) -> str:
+    """Docstring markup (``code``, :class:`~x.Y`) as plain text for the terminal."""
+    text = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+def format_help(classes: Mapping[str, Type], program: str = "run.py", current: Optional[Any] = None) -> str:
+    """The ``--help`` text: every section and field with type, default and description;
+    with ``current`` (the other arguments, parsed), values that differ from the defaults."""
+    lines = [
+        _usage(program).split("  (")[0],
+        "",
+        "Values come from the field defaults, then --config, then the command line.",
+        "A boolean field given without a value is set to true. --backend NAME is --trainer.backend NAME.",
+    ]
+    for section, cls in classes.items():
+        summary = (inspect.getdoc(cls) or "").strip().splitlines()
+        lines += ["", f"{section}:" + (f"  {_plain_text(summary[0])}" if summary else "")]
+        values = current.to_dict().get(section, {}) if current is not None else {}
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if (section, f.name) in _HIDDEN_FIELDS or not f.init:
+                continue
+            default = _default_text(f)
+            now = repr(values[f.name]) if f.name in values else default
+            this_run = f"; this run: {now}" if now != default else ""
+            lines.append(f"  --{section}.{f.name} ({type_name(hints.get(f.name, f.type))}, default {default}{this_run})")
+            if f.name in docs:
+                lines.append(f"      {_plain_text(docs[f.name])}")
+    return "\n".join(lines)

@@ -52,7 +52,7 @@ def _group_key(gradient: torch.Tensor) -> GroupKey:
     if mesh is None:
         return ()
     placements = gradient.placements  # type: ignore[attr-defined]
-    sharded = tuple(dim for dim, placement in enumerate(placements) if placement.is_shard())
+    sharded = tuple(dim for dim, placement in enumerate(placements) if not placement.is_replicate())  # settled: no Partial
     return (id(mesh), sharded)
 
 
@@ -66,7 +66,7 @@ def _group_power(gradients: List[torch.Tensor], norm_type: float) -> torch.Tenso
     value = norms.max() if infinite else norms.pow(norm_type).sum()
     if hasattr(first, "device_mesh"):
         for dim, placement in enumerate(first.placements):  # type: ignore[attr-defined]
-            if placement.is_shard():  # each rank along it holds another part; a replicated dim holds copies
+            if not placement.is_replicate():  # Shard, _StridedShard (FSDP2 over tp): each rank another part
                 operation = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
                 dist.all_reduce(value, op=operation, group=first.device_mesh.get_group(dim))
     return value

@@ -22,9 +22,10 @@ def test_wrong_train_step_return_type(tmp_path):
 
 
 def test_unknown_backend_lists_known_names():
-    known = "ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, model-parallel, model-parallel-amp, model-parallel-bf16, sp, "
-    with pytest.raises(ValueError, match=rf"unknown backend 'tpu'.*{known}"):
+    built_ins = ["ddp", "ddp-amp", "ddp-bf16", "fsdp", "fsdp-amp", "fsdp-bf16", "model-parallel", "model-parallel-amp"]
+    with pytest.raises(ValueError, match=r"unknown backend 'tpu'") as raised:  # plugins installed here may be listed too
         Trainer(ToyModule(), TrainerArguments(backend="tpu"))
+    assert all(f" {name}," in str(raised.value) for name in [*built_ins, "model-parallel-bf16", "sp"])
 
 
 @pytest.mark.parametrize(

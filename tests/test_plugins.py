@@ -28,6 +28,7 @@ from framework import Trainer, TrainerArguments
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILT_INS = ["ddp", "ddp-amp", "ddp-bf16", "fsdp", "fsdp-amp", "fsdp-bf16"]
 BUILT_INS += ["model-parallel", "model-parallel-amp", "model-parallel-bf16", "sp", "sp-amp", "sp-bf16"]
+INSTALLED = sorted(set(available_backends()) - set(BUILT_INS))  # plugins installed here: the tests pass beside any
 
 PLUGIN_SOURCE = '''
 """A tiny third-party backend package, found through its entry points."""
@@ -93,7 +94,7 @@ def test_register_subclass_and_factory_then_select_by_name():
     def factory() -> TrainerBackend:
         return TrainerBackend(SingleProcess(), FullPrecision())
 
-    assert available_backends() == sorted([*BUILT_INS, "sp-factory", "sp-subclass"])
+    assert available_backends() == sorted([*BUILT_INS, *INSTALLED, "sp-factory", "sp-subclass"])
     assert type(build_backend("sp-subclass")) is SubclassBackend
     assert build_backend("sp-factory") is not build_backend("sp-factory")  # a new instance each time
     trainer = Trainer(ToyModule(), _args(backend="sp-subclass"))
@@ -115,7 +116,7 @@ def test_taken_name_is_an_error_unless_override():
 
 
 def test_unknown_name_lists_the_known_names():
-    message = f"unknown backend 'dpp'; available backends: {', '.join(BUILT_INS)}"
+    message = f"unknown backend 'dpp'; available backends: {', '.join(sorted([*BUILT_INS, *INSTALLED]))}"
     with pytest.raises(ValueError, match=re.escape(message)):
         build_backend("dpp")
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -177,7 +178,7 @@ def test_entry_point_package_is_found_and_selected_by_name(plugin_dir):
     finally:
         log.removeHandler(capture)
         log.setLevel(old_level)
-    assert available_backends() == sorted([*BUILT_INS, "step-counting"])
+    assert available_backends() == sorted([*BUILT_INS, *INSTALLED, "step-counting"])
     # The broken entry point and the one claiming 'sp' are reported, not fatal.
     assert any("'broken-plugin'" in message and "failed to load" in message for message in capture.messages)
     assert any("'sp'" in message and "already registered" in message for message in capture.messages)

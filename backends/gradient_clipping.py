@@ -114,17 +114,23 @@ def clip_gradients(
         if gradient is not parameter.grad:
             parameter.grad = gradient
     if max_value is not None:
-        clip_grad_value_(parameters, max_value)
+        for members in _by_kind(parameters):  # torch's foreach refuses plain and DTensor gradients together
+            clip_grad_value_(members, max_value)
     if max_norm is None:
         return None
     if not any(hasattr(parameter.grad, "device_mesh") for parameter in parameters):  # plain tensors alone: torch's
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     total = total_grad_norm(parameters)
-    by_kind: Dict[GroupKey, List[torch.Tensor]] = {}  # scaled together where torch's foreach can: one mesh, one placement
+    for members in _by_kind(parameters):
+        clip_grads_with_norm_(members, max_norm, total.to(members[0].grad.device))  # type: ignore[union-attr]
+    return total
+
+
+def _by_kind(parameters: List[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """``parameters`` in groups torch's foreach ops take together: plain gradients, or one mesh and one placement."""
+    groups: Dict[GroupKey, List[torch.Tensor]] = {}
     for parameter in parameters:
         grad: Any = parameter.grad
         kind = (id(grad.device_mesh), tuple(grad.placements)) if hasattr(grad, "device_mesh") else ()
-        by_kind.setdefault(kind, []).append(parameter)
-    for members in by_kind.values():
-        clip_grads_with_norm_(members, max_norm, total.to(members[0].grad.device))  # type: ignore[union-attr]
-    return total
+        groups.setdefault(kind, []).append(parameter)
+    return list(groups.values())

@@ -222,9 +222,12 @@ def placement_norms(rank: int) -> list:
             expected = hand_written_norm(parameters, norm_type)
             measured = total_grad_norm(parameters, norm_type)
             wholes = [(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for p in parameters]
-            clipped = clip_gradients(parameters, max_norm=1.0)
+            if norm_type == 2.0:
+                clipped = float(clip_gradients(parameters, max_norm=1.0))  # type: ignore[arg-type]
+            else:  # by value: every element of the true (summed) gradient clamped
+                clipped = float(clip_gradients(parameters, max_value=0.3) or "nan")
             after = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in parameters]
-            results.append((name, norm_type, float(measured), float(expected), float(clipped), wholes, after))
+            results.append((name, norm_type, float(measured), float(expected), clipped, wholes, after))
     return results
 
 
@@ -274,11 +277,16 @@ def runs(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_norm_and_clipping_of_every_placement_match_the_hand_written_dtensor_computation(runs):
-    """Catches: a Partial gradient counted once per rank it is pending on, or a group's reduction skipped."""
+    """Catches: a Partial gradient counted once per rank it is pending on, a group's reduction skipped, or
+    each rank's addend of a Partial gradient clamped by value instead of the sum."""
     pair, *_ = runs
     for result in pair:
         for name, norm_type, measured, expected, clipped, wholes, after in result["placements"]:
             assert measured == pytest.approx(expected, rel=1e-6), (name, norm_type)
+            if norm_type != 2.0:  # clipped by value
+                for before, now in zip(wholes, after):
+                    torch.testing.assert_close(now, before.clamp(-0.3, 0.3), rtol=1e-6, atol=1e-7)
+                continue
             assert clipped == pytest.approx(hand_written_norm_of(wholes), rel=1e-6), name
             for before, now in zip(wholes, after):
                 torch.testing.assert_close(now, before * min(1.0, 1.0 / (clipped + 1e-6)), rtol=1e-5, atol=1e-7)

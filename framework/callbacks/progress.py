@@ -8,7 +8,7 @@ is set from the measured step rate so that checks happen about once per refresh 
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from framework.callbacks.base import Callback
 
@@ -32,6 +32,7 @@ class _Display:
         self._initial = initial
         self._check_seconds = check_seconds
         self.started = self.last_check = time.monotonic()
+        self.run_clock: Optional[Tuple[float, int]] = None  # (when the run's first epoch began, its steps done before this epoch)
 
     def rate(self, now: float) -> Optional[float]:
         """Steps per second since the display started (None before the first)."""
@@ -48,8 +49,14 @@ class _Display:
         self.last_check = now
 
     def run_eta(self, now: float) -> Optional[str]:
-        """The whole run's remaining training time at the current rate, as ``H:MM:SS`` (None: unknown)."""
+        """The whole run's remaining time, as ``H:MM:SS`` (None: unknown), at the run's mean rate:
+        steps since the run began over the wall time since (validation included), so it does not
+        jump with one epoch's rate or leave validation out."""
         rate = self.rate(now)
+        if self.run_clock is not None:
+            began, steps_before = self.run_clock
+            steps = steps_before + self.done - self._initial
+            rate = steps / (now - began) if steps > 0 and now > began else rate
         if self.run_left is None or rate is None:
             return None
         seconds = max(0, self.run_left - (self.done - self._initial)) / rate
@@ -209,6 +216,7 @@ class ProgressBar(Callback):
         self._train: Optional[_Display] = None
         self._evaluation: Optional[_Display] = None
         self._values: Dict[str, float] = {}  # the loss and prog_bar metrics shown, kept across epochs
+        self._run_clock: Optional[Tuple[float, int]] = None  # (time, global steps) when this run's first epoch began
 
     @property
     def _bar(self) -> Optional["tqdm"]:
@@ -239,6 +247,9 @@ class ProgressBar(Callback):
             self._train = _Lines(total, initial, desc, self.refresh_seconds, self.line_seconds, run_left)
         else:
             self._train = _Bar(total, initial, self.refresh_seconds, desc, "step", run_left)
+        if self._run_clock is None:
+            self._run_clock = (time.monotonic(), trainer.global_steps_finished)
+        self._train.run_clock = (self._run_clock[0], trainer.global_steps_finished - self._run_clock[1])
         self._train.set_values(self._values)
 
     def _run_steps_left(self, per_epoch: Optional[int], epoch: int, initial: int) -> Optional[int]:
@@ -275,6 +286,7 @@ class ProgressBar(Callback):
 
     def on_end_train(self, global_step: int) -> None:
         self._close_train()
+        self._run_clock = None  # the next train() measures its own rate
 
     def _close_train(self) -> None:
         if self._train is not None:

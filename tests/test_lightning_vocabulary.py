@@ -45,9 +45,7 @@ def test_lightnings_outer_optimizer_dict_is_honoured_with_its_scheduler(tmp_path
 
 def test_an_outer_dict_with_an_unknown_key_is_refused_naming_it():
     optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
-    with pytest.raises(
-        ValueError, match=r"\['optimiser'\]; Lightning's outer dict takes \['optimizer', 'lr_scheduler'"
-    ):
+    with pytest.raises(ValueError, match=r"\['optimiser'\]; Lightning's outer dict takes \['optimizer', 'lr_scheduler'"):
         lightning_return({"optimiser": optimizer})
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
     assert lightning_return([{"optimizer": optimizer, "lr_scheduler": plateau, "monitor": "val_acc"}]) == (

@@ -97,8 +97,9 @@ def check_protocols(locations: Dict[str, Optional[str]], prefix: str = "checkpoi
 def _check_known(option: str, location: str, protocols: List[str]) -> None:
     """Refuse a protocol fsspec has no filesystem for, naming the option (fsspec's own error names none)."""
     import fsspec  # only for URLs: a local run never imports it
+    from fsspec.registry import registry
 
-    known = set(fsspec.available_protocols())
+    known = set(fsspec.available_protocols()) | set(registry)  # the built-in names and those registered at run time
     for protocol in protocols:
         if protocol not in known:
             hint = f"; did you mean {protocol.lower()!r} (protocols are lower-case)" if protocol.lower() in known else ""

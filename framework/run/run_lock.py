@@ -137,6 +137,7 @@ class RunLock:
         self._on_lost: List[Callable[[], None]] = []
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._created = False
 
     # -- taking ---------------------------------------------------------------------------
     def acquire(self, own_tokens: FrozenSet[str] = frozenset()) -> None:
@@ -149,6 +150,7 @@ class RunLock:
             RunLocked: a live run holds it (named by pid and host), a live run holds a directory
                 around it, or the lock path is not a regular file.
         """
+        self._created = not os.path.isdir(self.output_dir)
         try:
             os.makedirs(self.output_dir, exist_ok=True)
         except OSError as error:  # nothing can be written there: the run's first write reports it
@@ -308,6 +310,8 @@ class RunLock:
             present = read_lock_file(self.path)
             if not lost and present is not None and present.holder is not None and present.holder.token == holder.token:
                 os.remove(self.path)
+                if self._created:  # made only to hold the lock and left empty (no checkpoint was due): leave no trace
+                    os.rmdir(self.output_dir)
 
 
 def check_lock_held(path: str) -> None:

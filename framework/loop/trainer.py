@@ -307,6 +307,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
     def _stop_for_preemption(self) -> None:
         """Save where training stopped, wait for the write, requeue the job where the scheduler
         allows it (Slurm ``--requeue``), and leave with exit status 75."""
+        self._check_run_lock()  # a stop asked for by a lost lock ends here, before any message of saving
         signal_name = self.preemption.signal_name or "a signal on another rank"
         logger.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, self.global_steps_finished)
         if self.checkpointing_enabled:

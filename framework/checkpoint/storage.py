@@ -36,6 +36,7 @@ from backends.checkpoint_io import CheckpointRefused as CheckpointRefused  # def
 from backends.checkpoint_io import CorruptCheckpoint as CorruptCheckpoint
 from backends.local_files import LocalFiles, local_path
 from framework.checkpoint import safe_types  # noqa: F401 - allows numpy and random values in user state
+from framework.run.run_lock import check_lock_held
 
 if TYPE_CHECKING:  # imported on first use: a run that never reaches a file does not pay for fsspec
     import fsspec
@@ -205,6 +206,7 @@ def _write_atomically(fs: "fsspec.AbstractFileSystem", path: str, obj: Any, seri
                 serializer(obj, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
+            check_lock_held(directory)  # paused mid-save and taken over meanwhile: the new holder's files stay
             os.replace(temporary, path)
             _fsync_directory(directory)
         else:

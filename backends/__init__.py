@@ -8,22 +8,25 @@ Example:
     TrainerBackend(strategy=SingleProcess, precision=FullPrecision)
 """
 
+from backends import moved_modules
 from backends.base import TrainerBackend
-from backends.batch import map_tensors, move_to_device
-from backends.ddp import DDP
-from backends.environments import (
+from backends.data.batch import map_tensors, move_to_device
+from backends.data.samplers import ResumableSampler
+from backends.environments.detection import (
     ClusterEnvironment,
     available_cluster_environments,
     detect_cluster_environment,
     register_cluster_environment,
 )
-from backends.fsdp import FSDP
-from backends.model_parallel import ModelParallel
 from backends.options import BackendArguments, check_backend_options
-from backends.precision import FullPrecision, MixedPrecision, Precision, TrueBF16
+from backends.precision.precisions import FullPrecision, MixedPrecision, Precision, TrueBF16
 from backends.registry import available_backends, build_backend, register_backend
-from backends.samplers import ResumableSampler
-from backends.strategies import SingleProcess, Strategy
+from backends.strategies.ddp import DDP
+from backends.strategies.fsdp import FSDP
+from backends.strategies.model_parallel import ModelParallel
+from backends.strategies.strategy import SingleProcess, Strategy
+
+moved_modules.install()  # backends.ddp, backends.samplers, ...: the paths before the subpackages
 
 __all__ = [
     "DDP",

@@ -5,13 +5,13 @@ from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional
 
 import torch
 
-from backends.batch import move_to_device
-from backends.checkpoint_io import CheckpointIO
-from backends.environments import ClusterEnvironment
+from backends.checkpoint_io.base import CheckpointIO
+from backends.checkpoint_io.stateful import refuse_renamed_state_methods
+from backends.data.batch import move_to_device
+from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, check_backend_options
-from backends.precision import FullPrecision, Precision
-from backends.stateful import refuse_renamed_state_methods
-from backends.strategies import SingleProcess, Strategy
+from backends.precision.precisions import FullPrecision, Precision
+from backends.strategies.strategy import SingleProcess, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class TrainerBackend:
     @property
     def cluster_environment(self) -> ClusterEnvironment:
         """Where this run's processes come from (set by :meth:`setup`): ranks, rendezvous,
-        and :meth:`~backends.environments.ClusterEnvironment.requeue`."""
+        and :meth:`~backends.environments.detection.ClusterEnvironment.requeue`."""
         return self.strategy.cluster_environment
 
     # -- life cycle -----------------------------------------------------------------
@@ -341,7 +341,7 @@ class TrainerBackend:
 
     def run_on_rank_zero(self, compute: Callable[[], Any], what: str, share_as: Tuple[Type[Exception], ...] = ()) -> Any:
         """``compute()`` on rank zero, its result (or its failure) on every rank; see
-        :meth:`backends.strategies.Strategy.run_on_rank_zero`."""
+        :meth:`backends.strategies.strategy.Strategy.run_on_rank_zero`."""
         return self.strategy.run_on_rank_zero(compute, what, share_as)
 
     def raise_if_any_failed(self, error: Optional[BaseException], what: str) -> None:

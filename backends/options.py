@@ -11,10 +11,7 @@ backends/ never imports framework/: arguments are read by attribute name, with t
 """
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol
-
-if TYPE_CHECKING:
-    from backends.base import TrainerBackend
+from typing import Any, Dict, Optional, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +101,15 @@ def set_options(args: Optional[BackendArguments]) -> Dict[str, Any]:
     return {name: value for name, value in values.items() if value != OPTION_DEFAULTS[name]}
 
 
+class ReportsOptions(Protocol):
+    """What :func:`check_backend_options` reads of a backend (a :class:`~backends.TrainerBackend`)."""
+
+    @property
+    def options(self) -> Dict[str, Any]: ...
+
+
 def check_backend_options(
-    backend: "TrainerBackend", args: Optional[BackendArguments], built_by: str = "instance", name: Optional[str] = None
+    backend: ReportsOptions, args: Optional[BackendArguments], built_by: str = "instance", name: Optional[str] = None
 ) -> None:
     """Refuse a backend option that ``args`` sets but ``backend`` would not use.
 

@@ -6,13 +6,13 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, TypeVar, Union
 
 from backends.base import TrainerBackend
-from backends.ddp import DDP
-from backends.fsdp import FSDP
-from backends.model_parallel import ModelParallel
 from backends.options import BackendArguments, check_backend_options, option
 from backends.plugins import register_entry_points
-from backends.precision import FullPrecision, MixedPrecision, TrueBF16
-from backends.strategies import SingleProcess
+from backends.precision.precisions import FullPrecision, MixedPrecision, TrueBF16
+from backends.strategies.ddp import DDP
+from backends.strategies.fsdp import FSDP
+from backends.strategies.model_parallel import ModelParallel
+from backends.strategies.strategy import SingleProcess
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ def register_backend(name: str, factory: Optional[F] = None, *, override: bool =
         <function ...>
         >>> build_backend("sp-plain")
         TrainerBackend(strategy=SingleProcess, precision=FullPrecision)
+        >>> unregister_backend("sp-verbose"), unregister_backend("sp-plain")  # as before the example
+        (None, None)
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"backend name must be a non-empty string, got {name!r}")

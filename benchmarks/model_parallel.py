@@ -4,7 +4,7 @@ Both train the example's llama-style model (``examples/model_parallel.py``, scal
 4 blocks, SwiGLU 768, sequences of 64 tokens) with AdamW and gradient clipping at norm 1.0.
 The hand-written loop does what the backend does, by hand: ``parallelize_module`` with the
 model's plan on ``tp``, ``fully_shard`` of every block and of the root on ``dp``, AdamW, and the
-same clipping (``backends.gradient_clipping.clip_gradients``: plain ``clip_grad_norm_`` refuses
+same clipping (``backends.strategies.gradient_clipping.clip_gradients``: plain ``clip_grad_norm_`` refuses
 the mix of meshes). Each run is a fresh ``torchrun`` launch; runs alternate raw, framework, raw,
 framework... Figures:
 
@@ -65,7 +65,7 @@ def raw(steps: int, tp: int) -> Dict[str, float]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from backends.gradient_clipping import clip_gradients
+    from backends.strategies.gradient_clipping import clip_gradients
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

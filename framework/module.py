@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence,
 import torch
 from torch.utils.data import DataLoader
 
-from backends.model_parallel import DEFAULT_PARALLELIZE_MARK
+from backends.strategies.model_parallel import DEFAULT_PARALLELIZE_MARK
 from framework.loop.hooks import TrainingHooks
 from framework.loop.manual_optimization import ManualOptimization, one_or_list
 from framework.loop.stage import Stage

@@ -1,4 +1,4 @@
-"""``TrainerArguments.activation_checkpointing`` (``backends/activation_checkpointing.py``) on one
+"""``TrainerArguments.activation_checkpointing`` (``backends/strategies/activation_checkpointing.py``) on one
 process; the 2-rank ddp and fsdp runs are in ``test_memory_distributed.py``."""
 
 import pytest
@@ -8,7 +8,7 @@ from logs import captured_log
 from tiny_transformer import TinyTransformer
 from toy import ToyModule, toy_args
 
-from backends.activation_checkpointing import checkpoint_units
+from backends.strategies.activation_checkpointing import checkpoint_units
 from framework import Trainer
 
 

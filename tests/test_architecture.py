@@ -1,8 +1,10 @@
-"""The house's shape: no import circle inside framework/ (TYPE_CHECKING imports included), and
-backends/ never imports framework/."""
+"""The house's shape: no import circle inside framework/ or backends/ (TYPE_CHECKING imports
+included), backends/ never imports framework/, backends/ is grouped by concern, no file over 450 lines."""
 
 import ast
 import os
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,13 +65,27 @@ def cycles(graph):
     return found
 
 
-def test_no_import_circle_in_framework():
-    graph = imports_of("framework")
+@pytest.mark.parametrize("package", ["framework", "backends"])
+def test_no_import_circle(package):
+    graph = imports_of(package)
     # A package's __init__ re-exporting its modules is not a circle of the design: leave the
     # edges from a module to the package that contains it out (framework.x.y -> framework.x).
     for module, targets in graph.items():
         graph[module] = {t for t in targets if not module.startswith(t + ".")}
     assert cycles(graph) == []
+
+
+def test_backends_are_grouped_by_concern():
+    """At most about ten modules at the top of backends/ (the facade, registry, options, plugins,
+    the moved paths); everything else in a subpackage named by its concern."""
+    top = sorted(name for name in os.listdir(os.path.join(ROOT, "backends")) if name.endswith(".py"))
+    packages = sorted(
+        name
+        for name in os.listdir(os.path.join(ROOT, "backends"))
+        if os.path.isfile(os.path.join(ROOT, "backends", name, "__init__.py"))
+    )
+    assert len(top) <= 10, top
+    assert packages == ["checkpoint_io", "data", "environments", "precision", "strategies"]
 
 
 def test_backends_do_not_import_framework():

@@ -30,8 +30,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from tiny_transformer import TinyTransformer
 
-from backends import sharded_checkpoint
-from backends.checkpoint_io import CheckpointIO, file_digest
+from backends.checkpoint_io import CheckpointIO, file_digest, sharded_checkpoint
 from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback
 from framework.checkpoint import CheckpointRefused, RunDirectoryInUse, load_weights

@@ -17,7 +17,7 @@ from distributed import run_ranks
 from toy import ToyModule, flat_parameters, make_classification, toy_args
 
 from backends import map_tensors
-from backends.batch import move_to_device
+from backends.data.batch import move_to_device
 from framework import Trainer
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 
@@ -354,7 +354,7 @@ class ReplayStream(torch.utils.data.IterableDataset):
 
 
 def test_a_stream_split_by_rank_is_named_with_the_items_it_discards():
-    from backends.streams import shard_stream
+    from backends.data.streams import shard_stream
     from framework.data.loader_plan import stream_share_problem
 
     loader = shard_stream(torch.utils.data.DataLoader(ReplayStream(40), batch_size=4), rank=0, world_size=2)
@@ -379,7 +379,7 @@ def test_uneven_per_rank_streams_say_how_many_batches_are_dropped_per_epoch():
 def test_the_sampler_state_is_its_position_and_an_epoch_end_state_does_not_replay_its_epoch():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from backends.samplers import ResumableSampler
+    from backends.data.samplers import ResumableSampler
 
     data = TensorDataset(torch.arange(20))
     loader = StatefulDataLoader(data, batch_size=4, sampler=ResumableSampler(data, shuffle=True, seed=3, rank=1, world_size=2))

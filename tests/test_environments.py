@@ -19,7 +19,7 @@ from backends.environments import (
     select_cluster_environment,
     unregister_cluster_environment,
 )
-from backends.hostlist import expand_hostlist, first_host
+from backends.environments.hostlist import expand_hostlist, first_host
 from framework import TrainerArguments
 from framework.run.config import parse_config
 

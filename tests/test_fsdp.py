@@ -316,7 +316,7 @@ def test_fsdp_amp_trains_in_bf16_with_fp32_master_weights_close_to_ddp_amp(tmp_p
 
 
 def test_a_timeout_under_fsdp_names_units_that_not_every_rank_runs():
-    from backends.fsdp import FSDP
+    from backends.strategies.fsdp import FSDP
 
     strategy = FSDP(timeout_seconds=5, use_gpu=False)
     strategy.world_size = 2  # as after setup on 2 ranks

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from distributed import run_ranks
 from toy import ToyModule, toy_args
 
-from backends.dcp_index import IndexUnpickler
-from backends.sharded_checkpoint import INDEX_FILE, STATE_FILE
+from backends.checkpoint_io.dcp_index import IndexUnpickler
+from backends.checkpoint_io.sharded_checkpoint import INDEX_FILE, STATE_FILE
 from framework import Trainer
 from framework.checkpoint import CheckpointRefused, CorruptCheckpoint, DefaultCheckpointerArguments, load_weights
 from framework.checkpoint.default import checkpoint_name
@@ -452,7 +452,7 @@ def test_the_index_only_readers_of_dcp_index_refuse_bytes_entries_too(written, t
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from backends.dcp_index import SafeFileSystemReader
+    from backends.checkpoint_io.dcp_index import SafeFileSystemReader
 
     root = str(tmp_path / "copy")
     shutil.copytree(written["fsdp"], root)

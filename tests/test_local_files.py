@@ -8,7 +8,7 @@ import textwrap
 import fsspec
 import pytest
 
-from backends.local_files import LocalFiles, local_path
+from backends.checkpoint_io.local_files import LocalFiles, local_path
 from framework.checkpoint import storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""``backends/meta_init.py`` in one process: meta-built layers allocated and initialized from the
+"""``backends/strategies/meta_init.py`` in one process: meta-built layers allocated and initialized from the
 run's seed, ``init_weights()`` preferred, layers built normally kept, a layer with no way to be
 initialized refused by name. The 2-rank cases (memory per rank, fsdp against sp) are in
 ``test_fsdp_layouts.py``."""
@@ -8,7 +8,7 @@ import torch
 
 from toy import ToyModule, toy_args
 
-from backends.meta_init import materialize, move_module
+from backends.strategies.meta_init import materialize, move_module
 from framework import Trainer
 
 

@@ -1,6 +1,6 @@
 """Model shapes real users have, on every backend: a complex buffer under true bf16
-(``backends/precision.py`` ``TrueBF16``) and blocks in an ``nn.ModuleDict`` as sharding units
-(``backends/units.py``), with a torchtitan-style model (``tests/titan_transformer.py``).
+(``backends/precision/precisions.py`` ``TrueBF16``) and blocks in an ``nn.ModuleDict`` as sharding units
+(``backends/strategies/units.py``), with a torchtitan-style model (``tests/titan_transformer.py``).
 
 The 2-rank checks share one process group (``two_rank_runs``).
 """
@@ -17,7 +17,7 @@ from distributed import run_ranks
 from titan_transformer import TitanTransformer, hand_written_true_bf16
 from toy import ToyModule
 
-from backends.units import default_units
+from backends.strategies.units import default_units
 from framework import Trainer, TrainerArguments
 
 MICRO_BATCH = 4

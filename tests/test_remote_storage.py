@@ -1,5 +1,5 @@
 """Checkpoints on non-local fsspec storage (``framework/checkpoint/storage_check.py``, the fsspec
-paths of ``backends/sharded_checkpoint.py``) on 2 real gloo ranks.
+paths of ``backends/checkpoint_io/sharded_checkpoint.py``) on 2 real gloo ranks.
 
 A real S3-compatible server (moto's server mode, a separate process on localhost) serves
 ``s3://`` through s3fs to every rank: ``ddp`` and ``fsdp`` save there, resume from there on

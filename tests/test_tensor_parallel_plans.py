@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from distributed import run_ranks
 
-from backends.gradient_clipping import clip_gradients, total_grad_norm
+from backends.strategies.gradient_clipping import clip_gradients, total_grad_norm
 from framework import Trainer, TrainerArguments
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 

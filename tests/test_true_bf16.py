@@ -1,4 +1,4 @@
-"""True bf16 precision (``backends/precision.py`` ``TrueBF16``, backends ``sp-bf16``, ``ddp-bf16``,
+"""True bf16 precision (``backends/precision/precisions.py`` ``TrueBF16``, backends ``sp-bf16``, ``ddp-bf16``,
 ``fsdp-bf16``) on one process; the 2-rank runs are in ``test_memory_distributed.py``."""
 
 import os

@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from backends.stateful import refuse_renamed_state_methods
+from backends.checkpoint_io.stateful import refuse_renamed_state_methods
 from framework.loop.hooks import TrainingHooks
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 
-from backends.stateful import refuse_renamed_state_methods
+from backends.checkpoint_io.stateful import refuse_renamed_state_methods
 from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint.checkpoint import Checkpoint
 

@@ -51,7 +51,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
 
     The strategy writes and reads each checkpoint (``sp``/``ddp``: one file
     ``checkpoint-<step>.pt`` from rank zero; ``fsdp``: a directory ``checkpoint-<step>/`` of
-    shards from every rank, see :mod:`backends.sharded_checkpoint`); this class decides the
+    shards from every rank, see :mod:`backends.checkpoint_io.sharded_checkpoint`); this class decides the
     rest, the same way for all of them:
 
     Saving: every file is written to a temporary name (a sharded checkpoint to a ``.partial``

@@ -34,7 +34,7 @@ import torch
 
 from backends.checkpoint_io import CheckpointRefused as CheckpointRefused  # defined beside the strategies' IO
 from backends.checkpoint_io import CorruptCheckpoint as CorruptCheckpoint
-from backends.local_files import LocalFiles, local_path
+from backends.checkpoint_io.local_files import LocalFiles, local_path
 from framework.checkpoint import safe_types  # noqa: F401 - allows numpy and random values in user state
 from framework.run.run_lock import check_lock_held
 
@@ -108,7 +108,7 @@ def with_retries(operation: Callable[[], T], description: str) -> T:
 
 def resolve(url: str) -> Tuple["fsspec.AbstractFileSystem", str]:
     """The filesystem and path inside it for a local path or fsspec URL (a plain local path is
-    served without importing fsspec: :mod:`backends.local_files`)."""
+    served without importing fsspec: :mod:`backends.checkpoint_io.local_files`)."""
     path = local_path(str(url))
     if path is not None:
         return cast("fsspec.AbstractFileSystem", LocalFiles()), path

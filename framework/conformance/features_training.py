@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
-from backends.units import module_units
+from backends.strategies.units import module_units
 from framework.callbacks import EarlyStopping
 from framework.conformance.checks import Context, find_unused, make_args, make_trainer
 from framework.conformance.models import full_state

@@ -8,7 +8,7 @@ from typing import Any, Callable, List, Optional
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from backends.streams import ShardedStream, user_dataset
+from backends.data.streams import ShardedStream, user_dataset
 
 logger = logging.getLogger("framework")
 

@@ -5,7 +5,7 @@ from typing import Any, List, Optional
 
 from torch.utils.data import IterableDataset
 
-from backends.streams import user_dataset
+from backends.data.streams import user_dataset
 
 logger = logging.getLogger("framework")
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from backends import TrainerBackend, map_tensors
-from backends.samplers import ResumableSampler
+from backends.data.samplers import ResumableSampler
 from framework.checkpoint import storage
 from framework.evaluation.weights import on_main_then_everywhere
 from framework.loop.stage import Stage

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from backends import TrainerBackend, build_backend
-from backends.meta_init import move_module
+from backends.strategies.meta_init import move_module
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer

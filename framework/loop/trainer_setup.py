@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional, cast
 import torch
 
 from backends import TrainerBackend
-from backends.activation_checkpointing import checkpoint_units
+from backends.strategies.activation_checkpointing import checkpoint_units
 from framework.callbacks.base import Callback
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.default import DefaultCheckpointer

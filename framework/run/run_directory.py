@@ -19,7 +19,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, List, Tuple
 
-from backends.local_files import local_path
+from backends.checkpoint_io.local_files import local_path
 from framework.run.run_lock import claim_run_lock, reserve_directory
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from cuda_support import CUDA_TIER, cpu_args, cuda_args
 from toy import ToyModule, flat_parameters
 
-from backends.batch import map_tensors, move_to_device
+from backends.data.batch import map_tensors, move_to_device
 from framework import Trainer
 
 pytestmark = CUDA_TIER

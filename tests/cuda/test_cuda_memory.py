@@ -17,7 +17,7 @@ from cuda_support import CUDA_TIER, cuda_args
 from tiny_transformer import TinyTransformer
 from toy import ToyModule, flat_parameters
 
-from backends.activation_checkpointing import checkpoint_units
+from backends.strategies.activation_checkpointing import checkpoint_units
 from framework import Trainer
 from framework.callbacks.throughput import known_peak_flops
 from framework.checkpoint import DefaultCheckpointerArguments

@@ -7,8 +7,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from backends import DDP, FullPrecision, MixedPrecision
-from backends.batch import map_tensors
-from backends.samplers import interleave_ranks
+from backends.data.batch import map_tensors
+from backends.data.samplers import interleave_ranks
 from framework.conformance.mutants.library import backend, register_mutant
 
 

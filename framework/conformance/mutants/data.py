@@ -4,7 +4,7 @@ reads which share (data-parallel rank, tensor-parallel peers). One fault each.""
 from typing import Any, Dict, List, Optional, Sized
 
 from backends import DDP, FullPrecision, ModelParallel
-from backends.samplers import ResumableSampler
+from backends.data.samplers import ResumableSampler
 from framework.conformance.mutants.library import backend, register_mutant
 
 

@@ -18,11 +18,11 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from backends.batch import map_tensors
-from backends.ddp import reduce_over
-from backends.environments import ClusterEnvironment
-from backends.fsdp import FSDP, broadcast_from_rank_zero
+from backends.data.batch import map_tensors
+from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
+from backends.strategies.ddp import reduce_over
+from backends.strategies.fsdp import FSDP, broadcast_from_rank_zero
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class ModelParallel(FSDP):
         tensor_parallel_size: ranks per model replica (``TrainerArguments.tensor_parallel_size``);
             None: the processes of one node. Must divide the world size (checked in :meth:`setup`).
         reshard_after_forward, timeout_seconds, use_gpu, cluster, compile: as for
-            :class:`~backends.fsdp.FSDP`.
+            :class:`~backends.strategies.fsdp.FSDP`.
 
     Example:
         >>> strategy = ModelParallel(tensor_parallel_size=2, use_gpu=False)  # torchrun --nproc_per_node=4: a 2x2 mesh

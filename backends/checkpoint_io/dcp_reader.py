@@ -5,8 +5,8 @@ Every load of a sharded checkpoint (resume, ``validate``/``test``/``predict`` fr
 rank or many) goes through :func:`validated_index` and then :func:`reader`:
 
 1. ``.metadata`` is read once; its SHA-256 must be the one ``state.pt`` records;
-2. it is unpickled by :class:`~backends.dcp_index.IndexUnpickler` (only DCP's index classes);
-3. :func:`~backends.dcp_index.check_index` admits only tensor entries for the keys ``state.pt`` names
+2. it is unpickled by :class:`~backends.checkpoint_io.dcp_index.IndexUnpickler` (only DCP's index classes);
+3. :func:`~backends.checkpoint_io.dcp_index.check_index` admits only tensor entries for the keys ``state.pt`` names
    as sharded tensors, plain file names inside the directory, offsets and lengths inside those files;
 4. every file the index names must match the SHA-256 recorded for it at save time.
 
@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from backends.checkpoint_io import CheckpointRefused, CorruptCheckpoint
-from backends.dcp_index import UnsafeIndex, check_index, read_index, refuse_bytes_items
+from backends.checkpoint_io.base import CheckpointRefused, CorruptCheckpoint
+from backends.checkpoint_io.dcp_index import UnsafeIndex, check_index, read_index, refuse_bytes_items
 
 INDEX_FILE = ".metadata"
 INDEX_LIMIT = 1 << 30
@@ -42,7 +42,7 @@ class TensorOnlyPlanner(DefaultLoadPlanner):
         >>> planner.load_bytes(None, None)
         Traceback (most recent call last):
         ...
-        backends.checkpoint_io.CorruptCheckpoint: a checkpoint entry asked to be unpickled: refused
+        backends.checkpoint_io.base.CorruptCheckpoint: a checkpoint entry asked to be unpickled: refused
     """
 
     def create_local_plan(self) -> LoadPlan:
@@ -109,7 +109,7 @@ def validated_index(
         tensor_keys: the keys ``state.pt`` names as sharded tensors.
         recorded: ``state.pt``'s ``"sharded"`` record: ``metadata_sha256`` and ``files_sha256``
             (``{file name: SHA-256}``; checkpoints written before it existed carry none).
-        restricted: unpickle with :class:`~backends.dcp_index.IndexUnpickler` (False: the user trusts it).
+        restricted: unpickle with :class:`~backends.checkpoint_io.dcp_index.IndexUnpickler` (False: the user trusts it).
 
     Raises:
         CheckpointRefused: the index names a global outside DCP's index classes (code could run).

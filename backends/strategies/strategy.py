@@ -2,9 +2,8 @@
 
 Strategy code owns the device, the process group, the sampler, the module wrapper,
 ``no_sync`` and the collectives. It never touches the gradient scaler. The multi-process
-strategies live beside it: :class:`~backends.ddp.DDP` (``backends/ddp.py``) and
-:class:`~backends.fsdp.FSDP` (``backends/fsdp.py``); ``from backends.strategies import DDP``
-keeps working.
+strategies live beside it: :class:`~backends.strategies.ddp.DDP` (``backends/strategies/ddp.py``) and
+:class:`~backends.strategies.fsdp.FSDP` (``backends/strategies/fsdp.py``).
 """
 
 import contextlib
@@ -13,14 +12,14 @@ from typing import Any, Callable, ClassVar, ContextManager, Dict, List, Optional
 
 import torch
 
-from backends.checkpoint_io import CheckpointIO, is_sharded_checkpoint
-from backends.environments import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
-from backends.gradient_clipping import clip_gradients
-from backends.meta_init import configure_model, has_meta_tensors, materialize
+from backends.checkpoint_io.base import CheckpointIO, is_sharded_checkpoint
+from backends.data.samplers import ResumableSampler
+from backends.data.streams import shard_stream
+from backends.environments.detection import ClusterEnvironment, LocalEnvironment, check_launch, select_cluster_environment
 from backends.options import BackendArguments, strategy_options
-from backends.samplers import ResumableSampler
-from backends.streams import shard_stream
-from backends.units import compile_units, module_units
+from backends.strategies.gradient_clipping import clip_gradients
+from backends.strategies.meta_init import configure_model, has_meta_tensors, materialize
+from backends.strategies.units import compile_units, module_units
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +156,7 @@ class Strategy:
         self, parameters: Sequence[torch.Tensor], max_norm: Optional[float] = None, max_value: Optional[float] = None
     ) -> Optional[torch.Tensor]:
         """Clip the gradients of ``parameters`` by value and/or total norm (whatever their meshes:
-        see :mod:`backends.gradient_clipping`); the norm before clipping when ``max_norm`` is given.
+        see :mod:`backends.strategies.gradient_clipping`); the norm before clipping when ``max_norm`` is given.
         Collective where parameters are sharded: call it on every rank."""
         return clip_gradients(parameters, max_norm, max_value)
 
@@ -168,7 +167,7 @@ class Strategy:
 
         Raises:
             ValueError: several processes were launched for a single-process strategy
-                (see :func:`backends.environments.check_launch`), or ``cluster`` names no
+                (see :func:`backends.environments.detection.check_launch`), or ``cluster`` names no
                 registered environment.
         """
         environment = select_cluster_environment(self.cluster)
@@ -195,13 +194,13 @@ class Strategy:
 
     def prepare_loader(self, loader: Any) -> Any:
         """The module's loader, ready for this rank: a stream (``IterableDataset``) is sharded by
-        data-parallel rank and by loader worker (see :class:`~backends.streams.ShardedStream`)."""
+        data-parallel rank and by loader worker (see :class:`~backends.data.streams.ShardedStream`)."""
         return shard_stream(loader, self.data_parallel_rank, self.data_parallel_size)
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module that training forwards go through (``module``: the step runner). Calls the
         module's ``configure_model()`` first, and allocates and initializes layers built on the
-        meta device (see :mod:`backends.meta_init`)."""
+        meta device (see :mod:`backends.strategies.meta_init`)."""
         target = getattr(module, "module", module)
         with torch.random.fork_rng(devices=[]):  # the layers it builds are drawn from the run's seed
             torch.manual_seed(torch.initial_seed())
@@ -212,7 +211,7 @@ class Strategy:
         return module
 
     def compile_units(self, module: torch.nn.Module, units: List[torch.nn.Module]) -> None:
-        """With ``compile`` on, ``torch.compile`` each unit in place (see :func:`backends.units.compile_units`)."""
+        """With ``compile`` on, ``torch.compile`` each unit in place (see :func:`backends.strategies.units.compile_units`)."""
         if self.compile:
             compiled = compile_units(module, units)
             logger.info("torch.compile: compiling %d unit(s) of %s on first use", len(compiled), type(module).__name__)
@@ -260,7 +259,7 @@ class Strategy:
             CheckpointRefused: safe loading refuses it.
         """
         if is_sharded_checkpoint(path):
-            from backends import sharded_checkpoint  # DCP: imported only when used
+            from backends.checkpoint_io import sharded_checkpoint  # DCP: imported only when used
 
             return sharded_checkpoint.load(path, io)
         return io.read(path)
@@ -393,12 +392,3 @@ class SingleProcess(Strategy):
         >>> SingleProcess().world_size
         1
     """
-
-
-def __getattr__(name: str) -> Any:
-    """``from backends.strategies import DDP`` (the strategy lives in ``backends/ddp.py``)."""
-    if name == "DDP":
-        from backends.ddp import DDP
-
-        return DDP
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Activation checkpointing: each unit's activations are recomputed in backward instead of kept.
 
-Applied to the module's units (``sharding_units()``, see :mod:`backends.units`) before the
+Applied to the module's units (``sharding_units()``, see :mod:`backends.strategies.units`) before the
 strategy wraps the module, which gives torchtitan's order: checkpoint, then compile, then
 shard (FSDP2's hooks stay outside the recomputed forward, so a unit's parameters are
 gathered once for its backward and its recomputation together).
@@ -12,7 +12,7 @@ from typing import Any, Callable, List
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from backends.units import module_units
+from backends.strategies.units import module_units
 
 _MARK = "_activation_checkpointed"
 

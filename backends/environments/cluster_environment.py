@@ -1,5 +1,5 @@
 """The cluster environment interface, and the environments without a scheduler: one local
-process, and torchrun's workers (see :mod:`backends.environments` for detection and the registry).
+process, and torchrun's workers (see :mod:`backends.environments.detection` for detection and the registry).
 """
 
 import logging

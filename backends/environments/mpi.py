@@ -4,7 +4,7 @@ import logging
 import zlib
 from typing import Mapping, Optional
 
-from backends.cluster_environment import DEFAULT_PORT, ClusterEnvironment, _int, _port
+from backends.environments.cluster_environment import DEFAULT_PORT, ClusterEnvironment, _int, _port
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from backends.checkpoint_io import CorruptCheckpoint
+from backends.checkpoint_io.base import CorruptCheckpoint
 
 INDEX_CLASSES: Dict[Tuple[str, str], Any] = {
     **{
@@ -70,10 +70,10 @@ class IndexUnpickler(pickle.Unpickler):
         >>> import io, pickle
         >>> IndexUnpickler(io.BytesIO(pickle.dumps(torch.Size([2, 3])))).load()
         torch.Size([2, 3])
-        >>> IndexUnpickler(io.BytesIO(pickle.dumps(print))).load()
+        >>> IndexUnpickler(io.BytesIO(pickle.dumps(print))).load()  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        backends.dcp_index.UnsafeIndex: the index names builtins.print, which is not part of a DCP index (it could run code)
+        backends.checkpoint_io.dcp_index.UnsafeIndex: the index names builtins.print, which is not part of a DCP index ...
     """
 
     def find_class(self, module: str, name: str) -> Any:
@@ -117,7 +117,7 @@ def refuse_bytes_items(plan: Any) -> Any:
 
 class _SafeIndexMixin:
     """``read_metadata`` of DCP's ``FileSystemReader``, unpickling with :class:`IndexUnpickler`; ``read_data``
-    refuses bytes entries. The framework's loads use :mod:`backends.dcp_reader`, which checks the whole index."""
+    refuses bytes entries. The framework's loads use :mod:`backends.checkpoint_io.dcp_reader`, which checks the whole index."""
 
     fs: Any
     load_id: str
@@ -173,7 +173,7 @@ def check_index(metadata: Any, tensor_keys: Collection[str], file_sizes: Mapping
         >>> check_index(Metadata({"module/w": BytesStorageMetadata()}), {"module/w"}, {}, 100)
         Traceback (most recent call last):
         ...
-        backends.checkpoint_io.CorruptCheckpoint: index entry 'module/w' is a BytesStorageMetadata, not a tensor: \
+        backends.checkpoint_io.base.CorruptCheckpoint: index entry 'module/w' is a BytesStorageMetadata, not a tensor: \
 refused (DCP would unpickle its bytes with weights_only=False)
     """
     entries = metadata.state_dict_metadata

@@ -12,14 +12,14 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequ
 import torch
 import torch.distributed as dist
 
-from backends.batch import map_tensors
-from backends.buffers import BufferBroadcast, broadcast_buffers
-from backends.checkpoint_io import CheckpointIO, CheckpointRefused, CorruptCheckpoint, is_sharded_checkpoint
-from backends.ddp import DDP
-from backends.environments import ClusterEnvironment
-from backends.meta_init import configure_model, materialize
+from backends.checkpoint_io.base import CheckpointIO, CheckpointRefused, CorruptCheckpoint, is_sharded_checkpoint
+from backends.data.batch import map_tensors
+from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
-from backends.units import module_units, shard_groups, units_tied_to_root
+from backends.strategies.buffers import BufferBroadcast, broadcast_buffers
+from backends.strategies.ddp import DDP
+from backends.strategies.meta_init import configure_model, materialize
+from backends.strategies.units import module_units, shard_groups, units_tied_to_root
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class FSDP(DDP):
     Units: the module's ``sharding_units()`` when it defines one, else every block of every
     ``nn.ModuleList`` and ``nn.ModuleDict`` in it; then the root (everything left: embeddings, heads). With one rank
     nothing is sharded and it trains like ``sp``. Checkpoints are sharded (every rank writes
-    its shards, ``torch.distributed.checkpoint``; see :mod:`backends.sharded_checkpoint`) and
+    its shards, ``torch.distributed.checkpoint``; see :mod:`backends.checkpoint_io.sharded_checkpoint`) and
     can be resumed on another world size, or read whole in one process.
 
     Mixed precision (``fsdp-amp``): parameters are all-gathered in the precision's compute
@@ -44,8 +44,8 @@ class FSDP(DDP):
         reshard_after_forward: free each unit's gathered parameters after its forward (less
             memory, one more all-gather in backward); the root never reshards
             (``TrainerArguments.reshard_after_forward``).
-        timeout_seconds: as for :class:`~backends.ddp.DDP` (``TrainerArguments.ddp_timeout``).
-        use_gpu, cluster, compile: as for :class:`~backends.strategies.Strategy`.
+        timeout_seconds: as for :class:`~backends.strategies.ddp.DDP` (``TrainerArguments.ddp_timeout``).
+        use_gpu, cluster, compile: as for :class:`~backends.strategies.strategy.Strategy`.
             ``find_unused_parameters`` is not taken: FSDP2 needs no search for unused parameters.
 
     Example:
@@ -216,7 +216,7 @@ class FSDP(DDP):
         forward (which would train on the stale copy), and ``module.parameters()`` would
         not be the parameters the optimizer holds. Resharding on entry too drops a copy
         gathered before the shards were changed (manual optimization keeps the root gathered).
-        Every rank evaluates rank zero's buffers (see :mod:`backends.buffers`).
+        Every rank evaluates rank zero's buffers (see :mod:`backends.strategies.buffers`).
         """
         if _fsdp_state(module) is None:
             return contextlib.nullcontext()
@@ -244,10 +244,10 @@ class FSDP(DDP):
     # -- checkpoints ----------------------------------------------------------------
     def save_checkpoint(self, path: str, state: Dict[str, Any], io: CheckpointIO, copy: bool = False) -> Callable[[], None]:
         """Prepare a sharded save into the directory ``path``: every rank writes its shards, rank
-        zero the rest (see :mod:`backends.sharded_checkpoint`). With ``copy`` (a background write)
+        zero the rest (see :mod:`backends.checkpoint_io.sharded_checkpoint`). With ``copy`` (a background write)
         the shards are copied to CPU first and DCP's collectives run over a process group of
         their own, so they never interleave with training's."""
-        from backends import sharded_checkpoint  # DCP: imported only when used
+        from backends.checkpoint_io import sharded_checkpoint  # DCP: imported only when used
 
         if self._buffer_owner is not None:  # every rank's buffers are rank zero's, which DCP may or may not write
             broadcast_buffers(self._buffer_owner)
@@ -280,7 +280,7 @@ class FSDP(DDP):
         Raises:
             ValueError: ``path`` is a whole-model file (``sp``/``ddp``), which this strategy does not resume.
         """
-        from backends import sharded_checkpoint  # DCP: imported only when used
+        from backends.checkpoint_io import sharded_checkpoint  # DCP: imported only when used
 
         if target is not None and self.distributed:
             self._agree_readable(path, io)
@@ -298,7 +298,7 @@ class FSDP(DDP):
         """Every rank checks ``path`` alone (no collective); a problem on any rank is raised on every
         rank, of the same kind, so no rank enters the collective read without the others and a
         damaged checkpoint is skipped by all of them together."""
-        from backends import sharded_checkpoint
+        from backends.checkpoint_io import sharded_checkpoint
 
         sharded, problem = is_sharded_checkpoint(path), None
         try:

@@ -4,9 +4,9 @@ import logging
 import subprocess
 from typing import Dict, List, Mapping, Optional
 
-from backends.cluster_environment import ClusterEnvironment, _int, _port
-from backends.hostlist import first_host
-from backends.mpi import MPIEnvironment
+from backends.environments.cluster_environment import ClusterEnvironment, _int, _port
+from backends.environments.hostlist import first_host
+from backends.environments.mpi import MPIEnvironment
 
 logger = logging.getLogger(__name__)
 

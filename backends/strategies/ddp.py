@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from backends.batch import map_tensors
-from backends.buffers import broadcast_buffers
-from backends.environments import ClusterEnvironment
+from backends.data.batch import map_tensors
+from backends.data.samplers import interleave_ranks
+from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
-from backends.samplers import interleave_ranks
-from backends.strategies import _NO_CONTEXT, Strategy
+from backends.strategies.buffers import broadcast_buffers
+from backends.strategies.strategy import _NO_CONTEXT, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class DDP(Strategy):
     """``torch.distributed`` data parallel, one process per device, under any launcher.
 
     Ranks, world size and the rendezvous address come from the cluster environment
-    (torchrun, ``srun``, ``mpirun`` or a registered one; see ``backends/environments.py``).
+    (torchrun, ``srun``, ``mpirun`` or a registered one; see ``backends/environments/detection.py``).
     Launched as one process it runs as one, so the same script works under ``python``,
     ``torchrun`` and ``srun``. The process group uses NCCL on CUDA and gloo on CPU, is
     created once by :meth:`setup` (rank zero serves the store, unless torchrun's agent
@@ -50,7 +50,7 @@ class DDP(Strategy):
             skips some parameters in a step needs it).
         timeout_seconds: how long a collective may wait for a missing rank before the
             job fails instead of hanging (``TrainerArguments.ddp_timeout``).
-        use_gpu, cluster, compile: as for :class:`~backends.strategies.Strategy`.
+        use_gpu, cluster, compile: as for :class:`~backends.strategies.strategy.Strategy`.
 
     Example:
         >>> strategy = DDP(use_gpu=False, timeout_seconds=60)   # under torchrun or srun: ranks come from the launcher
@@ -188,7 +188,7 @@ class DDP(Strategy):
         return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters)
 
     def inference(self, module: torch.nn.Module) -> ContextManager:
-        """Evaluate on rank zero's buffers (see :mod:`backends.buffers`): DDP broadcast them at the
+        """Evaluate on rank zero's buffers (see :mod:`backends.strategies.buffers`): DDP broadcast them at the
         step's first forward and each rank has updated its own since (batch norm), so each rank
         would evaluate other running statistics than the ones a checkpoint (rank zero's) keeps."""
         if self.distributed:

@@ -19,10 +19,10 @@ import logging
 import os
 from typing import Callable, Dict, List, Mapping, Optional, Type, TypeVar, Union
 
-from backends.cluster_environment import DEFAULT_PORT, ClusterEnvironment, LocalEnvironment, TorchrunEnvironment
-from backends.mpi import MPIEnvironment
+from backends.environments.cluster_environment import DEFAULT_PORT, ClusterEnvironment, LocalEnvironment, TorchrunEnvironment
+from backends.environments.mpi import MPIEnvironment
+from backends.environments.slurm import SlurmEnvironment
 from backends.plugins import register_entry_points
-from backends.slurm import SlurmEnvironment
 
 logger = logging.getLogger(__name__)
 

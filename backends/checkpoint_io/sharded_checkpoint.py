@@ -8,7 +8,7 @@ A sharded checkpoint is a directory ``checkpoint-<step>/``:
   shards (``__<rank>_0.distcp``) and rank zero the index (``.metadata``), which records every
   tensor's global shape, so a later run on another number of ranks reads the slices it owns;
 - ``state.pt``: everything else (counters, per-rank RNG states, schedulers, history...),
-  written by rank zero through the checkpointer's :class:`~backends.checkpoint_io.CheckpointIO`
+  written by rank zero through the checkpointer's :class:`~backends.checkpoint_io.base.CheckpointIO`
   and read with ``weights_only=True``; each sharded tensor appears there as a
   ``{"__sharded__": key}`` marker, and ``"sharded": {"metadata_sha256": ...}`` holds the
   digest of ``.metadata``;
@@ -21,16 +21,16 @@ look: a rank that wrote onto another node's own disk is caught here), then write
 ``state.pt``, renames the directory into place and writes ``.complete``. A shard missing is
 an error (:class:`ShardsMissing`): the checkpoint stays ``.partial``, never marked complete.
 
-Safety: every read goes through :mod:`backends.dcp_reader`, the one reader: ``.metadata`` is
-unpickled by :class:`~backends.dcp_index.IndexUnpickler` (only DCP's index classes: a hostile
-index is :class:`~backends.checkpoint_io.CheckpointRefused` before anything in it is called),
+Safety: every read goes through :mod:`backends.checkpoint_io.dcp_reader`, the one reader: ``.metadata`` is
+unpickled by :class:`~backends.checkpoint_io.dcp_index.IndexUnpickler` (only DCP's index classes: a hostile
+index is :class:`~backends.checkpoint_io.base.CheckpointRefused` before anything in it is called),
 then only tensor entries for the keys ``state.pt`` names, plain file names inside the directory
 and offsets inside those files are admitted, and every file must match the SHA-256 recorded in
 ``state.pt`` (``"sharded": {"metadata_sha256", "files_sha256"}``); DCP reads with a planner that
 refuses anything but tensors. Anything else is a damaged checkpoint
-(:class:`~backends.checkpoint_io.CorruptCheckpoint`, naming the entry), skipped for an older one.
+(:class:`~backends.checkpoint_io.base.CorruptCheckpoint`, naming the entry), skipped for an older one.
 Every error DCP raises while reading (its ``CheckpointException`` is a ``BaseException``) is
-reported as :class:`~backends.checkpoint_io.CorruptCheckpoint`.
+reported as :class:`~backends.checkpoint_io.base.CorruptCheckpoint`.
 """
 
 import contextlib
@@ -45,8 +45,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from backends import dcp_reader
-from backends.checkpoint_io import CheckpointIO, CorruptCheckpoint, file_digest
+from backends.checkpoint_io import dcp_reader
+from backends.checkpoint_io.base import CheckpointIO, CorruptCheckpoint, file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class ShardsMissing(OSError):
         >>> raise ShardsMissing("runs/x/.checkpoint-000000005.partial lacks __1_0.distcp ...")
         Traceback (most recent call last):
         ...
-        backends.sharded_checkpoint.ShardsMissing: runs/x/.checkpoint-000000005.partial lacks __1_0.distcp ...
+        backends.checkpoint_io.sharded_checkpoint.ShardsMissing: runs/x/.checkpoint-000000005.partial lacks __1_0.distcp ...
     """
 
 

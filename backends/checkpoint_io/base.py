@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from backends.local_files import local_path
+from backends.checkpoint_io.local_files import local_path
 
 SHARDED_NAME = re.compile(r"^checkpoint-(\d+)$")
 """A sharded checkpoint is a directory named ``checkpoint-<step>``; a whole one a file ``checkpoint-<step>.pt``."""
@@ -30,7 +30,7 @@ class CheckpointRefused(ValueError):
         >>> raise CheckpointRefused("runs/x/checkpoint-000000003.pt holds pickled Python objects ...")
         Traceback (most recent call last):
         ...
-        backends.checkpoint_io.CheckpointRefused: runs/x/checkpoint-000000003.pt holds pickled Python objects ...
+        backends.checkpoint_io.base.CheckpointRefused: runs/x/checkpoint-000000003.pt holds pickled Python objects ...
     """
 
 

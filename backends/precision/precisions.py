@@ -8,9 +8,9 @@ from typing import Any, ContextManager, Dict, Optional, Sequence, Type, TypeVar
 
 import torch
 
-from backends.batch import map_tensors
+from backends.checkpoint_io.stateful import refuse_renamed_state_methods
+from backends.data.batch import map_tensors
 from backends.options import BackendArguments, option
-from backends.stateful import refuse_renamed_state_methods
 
 _NO_CONTEXT = contextlib.nullcontext()  # reusable: a forward in full precision enters nothing
 

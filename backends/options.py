@@ -23,6 +23,7 @@ OPTION_DEFAULTS: Dict[str, Any] = {
     "ddp_timeout": 600.0,
     "reshard_after_forward": True,
     "tensor_parallel_size": None,
+    "data_parallel_replicate_size": None,
     "amp_dtype": None,
 }
 """Every backend option, by its ``TrainerArguments`` name, with the value that means "not set"."""
@@ -35,6 +36,7 @@ CONSTRUCTOR_PARAMETERS: Dict[str, str] = {
     "ddp_timeout": "DDP(timeout_seconds=...) or FSDP(timeout_seconds=...)",
     "reshard_after_forward": "FSDP(reshard_after_forward=...) or ModelParallel(reshard_after_forward=...)",
     "tensor_parallel_size": "ModelParallel(tensor_parallel_size=...)",
+    "data_parallel_replicate_size": "FSDP(data_parallel_replicate_size=...) or ModelParallel(data_parallel_replicate_size=...)",
     "amp_dtype": "MixedPrecision(dtype=...)",
 }
 """Where each option goes when a backend is built by hand."""
@@ -43,6 +45,7 @@ APPLIES_TO: Dict[str, str] = {
     "find_unused_parameters": "the ddp backends (ddp, ddp-amp, ddp-bf16)",
     "reshard_after_forward": "the fsdp and model-parallel backends (fsdp*, model-parallel*)",
     "tensor_parallel_size": "the model-parallel backends (model-parallel, model-parallel-amp, model-parallel-bf16)",
+    "data_parallel_replicate_size": "the fsdp and model-parallel backends (fsdp*, model-parallel*): HSDP",
     "amp_dtype": "the mixed-precision backends (*-amp) and, as 'bfloat16', the true bf16 ones (*-bf16)",
     "ddp_timeout": "multi-process strategies (ddp, fsdp)",
 }
@@ -71,6 +74,7 @@ class BackendArguments(Protocol):
     ddp_timeout: float
     reshard_after_forward: bool
     tensor_parallel_size: Optional[int]
+    data_parallel_replicate_size: Optional[int]
     amp_dtype: Optional[str]
 
 

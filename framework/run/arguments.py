@@ -108,6 +108,12 @@ class TrainerArguments(_CarriesRunConfig):
     """model-parallel backends: ranks that split each layer (the ``tp`` axis of the ``("dp", "tp")`` mesh); must
     divide the world size, the data-parallel size is world size / this. None: the processes of one node.
     Any other backend refuses a value (see docs/model-parallel.md)."""
+    data_parallel_replicate_size: Optional[int] = None
+    """fsdp and model-parallel backends: HSDP. The data-parallel ranks form this many replica groups; parameters
+    are sharded within a group and gradients all-reduced across groups (a ``("dp_replicate", "dp_shard")`` mesh,
+    ``(..., "tp")`` under model-parallel). Usually the number of nodes, so all-gathers stay inside a node. Must
+    divide the data-parallel size. None: 1 (shard over every data-parallel rank). Other backends refuse a value
+    (see docs/distributed.md)."""
     cluster: Optional[str] = None
     """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
     compile: bool = False
@@ -190,6 +196,13 @@ class TrainerArguments(_CarriesRunConfig):
             "tensor_parallel_size",
             tp_size,
             "None or an integer >= 1 that divides the world size",
+        )
+        replicas = self.data_parallel_replicate_size
+        _require(
+            replicas is None or (isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 1),
+            "data_parallel_replicate_size",
+            replicas,
+            "None or an integer >= 1 that divides the data-parallel size",
         )
         _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
         _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")

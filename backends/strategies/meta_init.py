@@ -7,7 +7,7 @@ the meta device, the others as it is). The strategy shards the meta module first
 from the run's seed (``torch.initial_seed()``, which ``TrainerArguments.seed`` sets):
 
 - the module's ``init_weights()`` when it defines one (torchtitan's convention), called once
-  on the whole module; under ``fsdp`` it runs on the shards (DTensors), so its random draws
+  on the whole module; under ``fsdp`` and ``model-parallel`` it runs on the shards (DTensors), so its random draws
   follow DTensor's random-number rules (the same on every rank, not the values one process draws);
 - otherwise each meta-built submodule's ``reset_parameters()``, in ``module.modules()`` order,
   each on the whole tensors of that one submodule (one layer in memory at a time), from

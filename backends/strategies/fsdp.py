@@ -18,6 +18,7 @@ from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.buffers import BufferBroadcast, broadcast_buffers
 from backends.strategies.ddp import DDP
+from backends.strategies.hsdp import check_replicate_size, checked_replicate_size, hsdp_mesh
 from backends.strategies.meta_init import configure_model, materialize
 from backends.strategies.units import module_units, shard_groups, units_tied_to_root
 
@@ -45,6 +46,7 @@ class FSDP(DDP):
             memory, one more all-gather in backward); the root never reshards
             (``TrainerArguments.reshard_after_forward``).
         timeout_seconds: as for :class:`~backends.strategies.ddp.DDP` (``TrainerArguments.ddp_timeout``).
+        data_parallel_replicate_size: HSDP's replica groups, usually the nodes (:mod:`backends.strategies.hsdp`); None: 1.
         use_gpu, cluster, compile: as for :class:`~backends.strategies.strategy.Strategy`.
             ``find_unused_parameters`` is not taken: FSDP2 needs no search for unused parameters.
 
@@ -67,6 +69,7 @@ class FSDP(DDP):
         use_gpu: Optional[bool] = None,
         cluster: Union[str, ClusterEnvironment, None] = None,
         compile: bool = False,
+        data_parallel_replicate_size: Optional[int] = None,
     ) -> None:
         super().__init__(
             find_unused_parameters=False, timeout_seconds=timeout_seconds, use_gpu=use_gpu, cluster=cluster, compile=compile
@@ -74,6 +77,8 @@ class FSDP(DDP):
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"FSDP(reshard_after_forward={reshard_after_forward!r}) is invalid; allowed: True, False")
         self.reshard_after_forward = reshard_after_forward
+        self.requested_replicate_size = checked_replicate_size(data_parallel_replicate_size)
+        self.data_parallel_replicate_size = data_parallel_replicate_size or 1
         self.param_dtype: Optional[torch.dtype] = None
         self._checkpoint_group: Any = None
         self._buffer_owner: Optional[torch.nn.Module] = None  # the sharded root, whose buffers rank zero decides
@@ -92,14 +97,28 @@ class FSDP(DDP):
         return cls(
             reshard_after_forward=option(args, "reshard_after_forward"),
             timeout_seconds=option(args, "ddp_timeout"),
+            data_parallel_replicate_size=option(args, "data_parallel_replicate_size"),
             **strategy_options(args),
         )
 
     @property
     def options(self) -> Dict[str, Any]:
         options = {**super().options, "reshard_after_forward": self.reshard_after_forward}
+        options["data_parallel_replicate_size"] = self.requested_replicate_size
         del options["find_unused_parameters"]
         return options
+
+    def setup(self) -> None:
+        """Join the process group (as DDP); ValueError (the group left again) if the replicas do not divide the ranks."""
+        super().setup()
+        try:
+            self._settle_layout()
+        except BaseException:
+            self.teardown()
+            raise
+
+    def _settle_layout(self) -> None:
+        check_replicate_size(self.data_parallel_replicate_size, self.data_parallel_size, f"{self.world_size} processes")
 
     def configure_precision(self, compute_dtype: Optional[torch.dtype], uses_grad_scaler: bool) -> None:
         if uses_grad_scaler:
@@ -175,9 +194,11 @@ class FSDP(DDP):
 
     def sharding_mesh(self, module: torch.nn.Module) -> Any:
         """The mesh ``fully_shard`` shards over, once the module is ready for it (None: do not
-        shard); here every rank (a 1-D mesh)."""
+        shard); here every rank (a 1-D mesh), or ``("dp_replicate", "dp_shard")`` under HSDP."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if (replicas := self.data_parallel_replicate_size) > 1:
+            return hsdp_mesh(self.device.type, replicas, self.world_size // replicas)
         return init_device_mesh(self.device.type, (self.world_size,))
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:

@@ -23,7 +23,7 @@ from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.ddp import reduce_over
 from backends.strategies.fsdp import FSDP, broadcast_from_rank_zero
-from backends.strategies.meta_init import configure_model
+from backends.strategies.hsdp import DATA_DIM, HSDP_DIM_NAMES, check_replicate_size, hsdp_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,9 @@ class ModelParallel(FSDP):
     Args:
         tensor_parallel_size: ranks per model replica (``TrainerArguments.tensor_parallel_size``);
             None: the processes of one node. Must divide the world size (checked in :meth:`setup`).
+        data_parallel_replicate_size: HSDP over the rows: they form this many replica groups, each sharding
+            the parameters over its rows, gradients all-reduced across groups (a ``("dp_replicate",
+            "dp_shard", "tp")`` mesh; usually the number of nodes); must divide the data-parallel size. None: 1.
         reshard_after_forward, timeout_seconds, use_gpu, cluster, compile: as for
             :class:`~backends.strategies.fsdp.FSDP`.
 
@@ -165,8 +168,16 @@ class ModelParallel(FSDP):
         use_gpu: Optional[bool] = None,
         cluster: Union[str, ClusterEnvironment, None] = None,
         compile: bool = False,
+        data_parallel_replicate_size: Optional[int] = None,
     ) -> None:
-        super().__init__(reshard_after_forward, timeout_seconds, use_gpu=use_gpu, cluster=cluster, compile=compile)
+        super().__init__(
+            reshard_after_forward,
+            timeout_seconds,
+            use_gpu=use_gpu,
+            cluster=cluster,
+            compile=compile,
+            data_parallel_replicate_size=data_parallel_replicate_size,
+        )
         if tensor_parallel_size is not None and (
             isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1
         ):
@@ -193,6 +204,7 @@ class ModelParallel(FSDP):
             tensor_parallel_size=option(args, "tensor_parallel_size"),
             reshard_after_forward=option(args, "reshard_after_forward"),
             timeout_seconds=option(args, "ddp_timeout"),
+            data_parallel_replicate_size=option(args, "data_parallel_replicate_size"),
             **strategy_options(args),
         )
 
@@ -218,19 +230,19 @@ class ModelParallel(FSDP):
         return [row * self.tensor_parallel_size for row in range(self.data_parallel_size)]
 
     def setup(self) -> None:
-        """Join the process group, check ``tensor_parallel_size`` against the world size and build the mesh.
+        """Join the process group, check ``tensor_parallel_size`` against the world size and
+        ``data_parallel_replicate_size`` against the data-parallel size, and build the mesh:
+        ``("dp", "tp")``, or ``("dp_replicate", "dp_shard", "tp")`` with ``"dp"`` their flattening.
 
         Raises:
-            ValueError: ``tensor_parallel_size`` does not divide the world size (the process
-                group is left again first).
+            ValueError: ``tensor_parallel_size`` does not divide the world size, or the replicas the
+                data-parallel size (the process group is left again first).
         """
         super().setup()
-        try:
-            self.tensor_parallel_size = self._resolve_tensor_parallel_size()
-        except BaseException:
-            self.teardown()
-            raise
-        if self.distributed:
+        if self.distributed and (replicas := self.data_parallel_replicate_size) > 1:
+            shard = self.data_parallel_size // replicas
+            self.device_mesh = hsdp_mesh(self.device.type, replicas, shard, self.tensor_parallel_size)
+        elif self.distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
             shape = (self.data_parallel_size, self.tensor_parallel_size)
@@ -243,6 +255,11 @@ class ModelParallel(FSDP):
             self.tensor_parallel_rank,
             self.tensor_parallel_size,
         )
+
+    def _settle_layout(self) -> None:  # inside FSDP.setup: the tensor-parallel size first, then the replicas
+        self.tensor_parallel_size = self._resolve_tensor_parallel_size()
+        described = f"{self.world_size} processes / tensor_parallel_size {self.tensor_parallel_size}"
+        check_replicate_size(self.data_parallel_replicate_size, self.data_parallel_size, described)
 
     def _resolve_tensor_parallel_size(self) -> int:
         size = self.requested_tensor_parallel_size
@@ -285,28 +302,23 @@ class ModelParallel(FSDP):
         """Split the user's module over ``tp`` (plan or ``parallelize``), then shard over ``dp``
         (``module``: the step runner)."""
         target = getattr(module, "module", module)
-        configure_model(target, on_meta=True)  # layers it builds take no memory until split and sharded
         self.check_module(target)
         broadcast_from_rank_zero(target)  # the tensor-parallel split and the dp shards start from rank zero's weights
         if self.device_mesh is not None and self.tensor_parallel_size > 1:
-            self.split_over_tensor_parallel(target, self.device_mesh["tp"])  # meta-built layers: split still on meta
+            tp_mesh = self.device_mesh["tp"]
+            ties = tied_parameters(target)
+            if custom_parallelize(target):
+                target.parallelize(tp_mesh)  # type: ignore[operator]
+            else:
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                parallelize_module(target, tp_mesh, tensor_parallel_plan(target))
+            retie(target, ties)  # the styles replace each site's parameter on its own: one DTensor again
             self.loss_parallel = bool(getattr(target, LOSS_PARALLEL_ATTRIBUTE, False))
-        wrapped = super().wrap_module(module)  # shards over dp, then allocates and initializes each rank's meta parts
+        wrapped = super().wrap_module(module)
         if self.loss_parallel:  # the loss a step returns is a DTensor: the loop gets it whole, the backward still reaches it
             wrapped.register_forward_hook(lambda _module, _inputs, outputs: map_tensors(outputs, _whole))
         return wrapped
-
-    def split_over_tensor_parallel(self, target: torch.nn.Module, tp_mesh: Any) -> None:
-        """Split ``target``'s layers over ``tp_mesh`` by its ``parallelize(tp_mesh)`` or its plan,
-        keeping tied parameters one DTensor (see :func:`retie`)."""
-        ties = tied_parameters(target)
-        if custom_parallelize(target):
-            target.parallelize(tp_mesh)  # type: ignore[operator]
-        else:
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            parallelize_module(target, tp_mesh, tensor_parallel_plan(target))
-        retie(target, ties)  # the styles replace each site's parameter on its own: one DTensor again
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """FSDP's context for one micro-batch, inside ``loss_parallel()`` when the module sets
@@ -325,10 +337,11 @@ class ModelParallel(FSDP):
         return _inside_loss_parallel(context)
 
     def sharding_mesh(self, module: torch.nn.Module) -> Any:
-        """The ``dp`` axis of the mesh (None with one data-parallel rank: nothing to shard)."""
+        """The ``dp`` axis of the mesh, or ``("dp_replicate", "dp_shard")`` under HSDP (None with one
+        data-parallel rank: nothing to shard)."""
         if self.device_mesh is None or self.data_parallel_size == 1:
             return None
-        return self.device_mesh["dp"]
+        return self.device_mesh[HSDP_DIM_NAMES] if self.data_parallel_replicate_size > 1 else self.device_mesh[DATA_DIM]
 
     def data_parallel_all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduced over the ranks of this rank's ``dp`` axis (one per share of the data)."""

@@ -24,6 +24,7 @@ from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.ddp import reduce_over
 from backends.strategies.fsdp import FSDP, broadcast_from_rank_zero
 from backends.strategies.hsdp import DATA_DIM, HSDP_DIM_NAMES, check_replicate_size, hsdp_mesh
+from backends.strategies.meta_init import configure_model
 
 logger = logging.getLogger(__name__)
 
@@ -302,23 +303,28 @@ class ModelParallel(FSDP):
         """Split the user's module over ``tp`` (plan or ``parallelize``), then shard over ``dp``
         (``module``: the step runner)."""
         target = getattr(module, "module", module)
+        configure_model(target, on_meta=True)  # layers it builds take no memory until split and sharded
         self.check_module(target)
         broadcast_from_rank_zero(target)  # the tensor-parallel split and the dp shards start from rank zero's weights
         if self.device_mesh is not None and self.tensor_parallel_size > 1:
-            tp_mesh = self.device_mesh["tp"]
-            ties = tied_parameters(target)
-            if custom_parallelize(target):
-                target.parallelize(tp_mesh)  # type: ignore[operator]
-            else:
-                from torch.distributed.tensor.parallel import parallelize_module
-
-                parallelize_module(target, tp_mesh, tensor_parallel_plan(target))
-            retie(target, ties)  # the styles replace each site's parameter on its own: one DTensor again
+            self.split_over_tensor_parallel(target, self.device_mesh["tp"])  # meta-built layers: split still on meta
             self.loss_parallel = bool(getattr(target, LOSS_PARALLEL_ATTRIBUTE, False))
-        wrapped = super().wrap_module(module)
+        wrapped = super().wrap_module(module)  # shards over dp, then allocates and initializes each rank's meta parts
         if self.loss_parallel:  # the loss a step returns is a DTensor: the loop gets it whole, the backward still reaches it
             wrapped.register_forward_hook(lambda _module, _inputs, outputs: map_tensors(outputs, _whole))
         return wrapped
+
+    def split_over_tensor_parallel(self, target: torch.nn.Module, tp_mesh: Any) -> None:
+        """Split ``target``'s layers over ``tp_mesh`` by its ``parallelize(tp_mesh)`` or its plan,
+        keeping tied parameters one DTensor (see :func:`retie`)."""
+        ties = tied_parameters(target)
+        if custom_parallelize(target):
+            target.parallelize(tp_mesh)  # type: ignore[operator]
+        else:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            parallelize_module(target, tp_mesh, tensor_parallel_plan(target))
+        retie(target, ties)  # the styles replace each site's parameter on its own: one DTensor again
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         """FSDP's context for one micro-batch, inside ``loss_parallel()`` when the module sets

@@ -70,6 +70,15 @@ def _child(name: str, epochs: int, output_dir: str, hidden: int = 64) -> Tuple[f
     return PEER_LOOPS[name](data, epochs, output_dir)
 
 
+def _wait_for_background_plot() -> None:
+    """Join the framework's background ``metrics.png`` drawing (where this child imported the
+    framework): the process waits for it at exit anyway, so the whole-process time includes it;
+    joined here so the drawing does not race the removal of the child's temporary directory."""
+    plots = sys.modules.get("framework.metrics.background_plot")
+    if plots is not None:
+        plots.wait_for_plots()
+
+
 def _import_first_step_modules() -> None:
     """One AdamW step on a throwaway parameter: the modules a first optimizer imports
     (``torch._dynamo``, about 0.7 s) are loaded before either side's timer starts."""
@@ -281,6 +290,7 @@ def main() -> None:
     if options.child:
         with tempfile.TemporaryDirectory() as output_dir:
             train_seconds, steady_seconds = _child(options.child, options.epochs[0], output_dir, options.hidden)
+            _wait_for_background_plot()  # before its directory goes (the process would wait at exit anyway)
             print(json.dumps({"train_seconds": train_seconds, "steady_seconds": steady_seconds}))
         return
     runners = [name for name in options.runners if name not in PEERS or importlib.util.find_spec(PEERS[name])]

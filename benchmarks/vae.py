@@ -33,7 +33,7 @@ from typing import Dict, List, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from fresh_process import fit_line, run_process  # noqa: E402
+from fresh_process import _wait_for_background_plot, fit_line, run_process  # noqa: E402
 
 BATCH, LOG_INTERVAL, TRAIN_IMAGES = 128, 10, 1500
 
@@ -192,7 +192,9 @@ def main() -> None:
 
         torch.set_num_threads(1)
         with tempfile.TemporaryDirectory() as output_dir:
-            print(json.dumps({"train_seconds": RUNNERS[options.child](options.epochs[0], output_dir)}))
+            train_seconds = RUNNERS[options.child](options.epochs[0], output_dir)
+            _wait_for_background_plot()  # before its directory goes (the process would wait at exit anyway)
+            print(json.dumps({"train_seconds": train_seconds}))
         return
     process: Dict[Tuple[str, int], List[float]] = {}
     for _ in range(options.repeats):

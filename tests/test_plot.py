@@ -134,7 +134,8 @@ def test_a_run_draws_metrics_png_at_its_end_with_a_log_axis_for_losses(tmp_path,
         return save(figure, *args, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
-    trainer = Trainer(ToyModule(), toy_args(tmp_path, epochs=2, log_every_n_steps=2, plot_metrics=True, log_level="INFO"))
+    args = toy_args(tmp_path, epochs=2, log_every_n_steps=2, plot_metrics=True, log_level="INFO")
+    trainer = Trainer(ToyModule(), args, callbacks=[MetricsPlot(background=False)])  # drawn here, seen by savefig
     trainer.train()
     png = tmp_path / "run" / "metrics.png"
     assert matplotlib.image.imread(str(png)).shape[2] in (3, 4)
@@ -147,3 +148,63 @@ def test_a_run_draws_metrics_png_at_its_end_with_a_log_axis_for_losses(tmp_path,
     assert any(isinstance(callback, MetricsPlot) for callback in Trainer(ToyModule(), toy_args(tmp_path / "b")).callbacks)
     monkeypatch.setenv("FRAMEWORK_PLOT_METRICS", "0")
     assert not plots_by_default(None)
+
+
+def test_the_default_plot_is_drawn_in_another_process_and_train_does_not_wait(tmp_path, monkeypatch, framework_log):
+    """Kills: drawing in ``on_end_train`` itself (this process's savefig refuses); a failure in the
+    background lost (no warning) or raised into the run."""
+    import matplotlib.figure
+
+    from toy import ToyModule, toy_args
+
+    from framework import Trainer
+    from framework.callbacks import MetricsPlot
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("drawn in the training process")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", refuse)
+    plot = MetricsPlot()
+    Trainer(ToyModule(), toy_args(tmp_path, epochs=1, log_every_n_steps=2, log_level="INFO"), callbacks=[plot]).train()
+    png = tmp_path / "run" / "metrics.png"
+    assert plot.wait(timeout=120) == str(png)
+    assert matplotlib.image.imread(str(png)).ndim == 3 and not list((tmp_path / "run").glob("*.partial"))
+    assert f"metrics plot: {png}" in framework_log
+
+    # A drawing that fails (metrics.png is a directory): a warning naming the error; train() finished.
+    blocked = tmp_path / "blocked"
+    plot = MetricsPlot()
+    trainer = Trainer(ToyModule(), toy_args(blocked, epochs=1, log_level="INFO"), callbacks=[plot])
+    (blocked / "run" / "metrics.png").mkdir(parents=True)
+    trainer.train()
+    assert plot.wait(timeout=120) is None
+    warnings = [message for message in framework_log if "metrics.png not drawn in the background" in message]
+    assert len(warnings) == 1 and "IsADirectoryError" in warnings[0], framework_log
+
+
+def test_a_next_run_waits_for_the_drawing_of_the_same_png(tmp_path):
+    """Kills: ``MetricsPlot.setup`` not joining an earlier run's drawing of its directory."""
+    from types import SimpleNamespace
+
+    from framework.callbacks import MetricsPlot
+    from framework.metrics.background_plot import BackgroundPlot
+
+    write_run(tmp_path)
+    drawing = BackgroundPlot(str(tmp_path / "metrics.png"))
+    drawing.draw(str(tmp_path / "metrics.csv"))
+    MetricsPlot().setup(SimpleNamespace(is_main_process=True, args=SimpleNamespace(output_dir=str(tmp_path))))
+    assert not drawing.pending and drawing.drawn  # the drawing process needs ~0.3 s for matplotlib alone
+    assert matplotlib.image.imread(str(tmp_path / "metrics.png")).ndim == 3
+
+
+def test_the_process_waits_for_its_drawing_before_it_exits(tmp_path):
+    """Kills: no ``atexit`` join (the drawing would land after the training process has exited)."""
+    program = (  # registered before the framework's own handler, so it runs after it
+        "import atexit, os, sys; png = os.path.join(sys.argv[1], 'run', 'metrics.png'); "
+        "atexit.register(lambda: print('png at exit:', os.path.isfile(png))); "
+        "sys.path.insert(0, 'tests'); from toy import ToyModule, toy_args; from framework import Trainer; "
+        "Trainer(ToyModule(), toy_args(sys.argv[1], epochs=1, plot_metrics=True)).train()"
+    )
+    result = subprocess.run([sys.executable, "-c", program, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "png at exit: True", result.stdout + result.stderr

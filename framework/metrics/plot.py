@@ -9,7 +9,7 @@ import csv
 import math
 import os
 from collections import OrderedDict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 _STAGES = ("train_", "val_", "test_")
 _REQUIRED_COLUMNS = ("step", "name", "value")
@@ -30,18 +30,28 @@ def read_metrics(path: str) -> Series:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics file at {path!r}; train with output_dir set, or pass the file itself")
-    series: Series = OrderedDict()
     with open(path, newline="") as handle:
-        reader = csv.DictReader(handle)
-        missing = [column for column in _REQUIRED_COLUMNS if column not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{path!r} lacks the columns {missing}; expected epoch,step,name,value (got {reader.fieldnames})")
-        for line, row in enumerate(reader, start=2):
-            try:
-                step, value = int(row["step"]), float(row["value"])
-            except (TypeError, ValueError):
-                raise ValueError(f"{path!r} line {line}: cannot read step={row['step']!r} value={row['value']!r}") from None
-            series.setdefault(row["name"], []).append((step, value))
+        return parse_metrics(handle, path)
+
+
+def parse_metrics(lines: Iterable[str], path: str) -> Series:
+    """:func:`read_metrics` of ``metrics.csv``'s lines already read (``path`` names them in errors).
+
+    Example:
+        >>> dict(parse_metrics(["epoch,step,name,value", "0,2,train_loss,0.5"], "metrics.csv"))
+        {'train_loss': [(2, 0.5)]}
+    """
+    series: Series = OrderedDict()
+    reader = csv.DictReader(lines)
+    missing = [column for column in _REQUIRED_COLUMNS if column not in (reader.fieldnames or [])]
+    if missing:
+        raise ValueError(f"{path!r} lacks the columns {missing}; expected epoch,step,name,value (got {reader.fieldnames})")
+    for line, row in enumerate(reader, start=2):
+        try:
+            step, value = int(row["step"]), float(row["value"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path!r} line {line}: cannot read step={row['step']!r} value={row['value']!r}") from None
+        series.setdefault(row["name"], []).append((step, value))
     return series
 
 
@@ -96,13 +106,25 @@ def plot_metrics(
         plot_metrics("outputs/digits")
         'outputs/digits/metrics.png'
     """
+    csv_path = source if os.path.isfile(source) or source.endswith(".csv") else os.path.join(source, "metrics.csv")
+    return plot_series(read_metrics(csv_path), csv_path, output, panels, title)
+
+
+def plot_series(
+    series: Series,
+    csv_path: str,
+    output: Optional[str] = None,
+    panels: Optional[Sequence[str]] = None,
+    title: Optional[str] = None,
+) -> str:
+    """:func:`plot_metrics` of series already read from ``csv_path`` (which names the defaults:
+    the PNG beside it, the title its directory). The PNG is written under a temporary name and
+    renamed into place, so a reader never sees half an image."""
     try:  # a Figure of its own, not pyplot: the user's backend and figures are left alone
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError as error:
         raise ImportError("plotting needs matplotlib: pip install 'torch-trainer-framework[plot]'") from error
-    csv_path = source if os.path.isfile(source) or source.endswith(".csv") else os.path.join(source, "metrics.csv")
-    series = read_metrics(csv_path)
     if not series:
         raise ValueError(f"{csv_path!r} holds no metric values yet")
     grouped: Dict[str, List[str]] = OrderedDict()
@@ -140,7 +162,14 @@ def plot_metrics(
     figure.tight_layout()
     output = output or os.path.join(os.path.dirname(os.path.abspath(csv_path)), "metrics.png")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    figure.savefig(output, dpi=110)
+    extension = os.path.splitext(output)[1].lstrip(".").lower() or "png"
+    partial = f"{output}.{os.getpid()}.partial"
+    try:
+        figure.savefig(partial, dpi=110, format=extension)
+        os.replace(partial, output)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
     return output
 
 

@@ -1,0 +1,180 @@
+"""Draw ``metrics.png`` in a process of its own, off ``train()``'s critical path.
+
+The drawing process starts when training starts and imports matplotlib while the run trains
+(about 0.3 s of the 0.5 s a plot costs, on another core); when training ends, the trainer hands
+it ``metrics.csv``'s text (so a next run may rewrite the file at once) and returns. A thread
+waits for the process and logs the outcome: ``metrics plot: PATH``, or a warning naming the
+error (never an exception in the run). Pending drawings are joined before the interpreter exits
+(``atexit``) and before a next run's plot callback starts on the same PNG
+(:func:`wait_for_plots`).
+"""
+
+import atexit
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from typing import Any, Dict, List, Optional
+
+logger = logging.getLogger("framework.callbacks.metrics_plot")
+
+PLOT_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py")
+
+# The drawing process: loads plot.py by path (no ``import framework``: torch stays out of it),
+# imports matplotlib at once, then waits for one job: a length line, then that many bytes of JSON.
+# A length read from the pipe, not its end: a DataLoader worker forked meanwhile keeps the pipe open.
+WORKER = r"""
+import importlib.util, json, os, sys
+spec = importlib.util.spec_from_file_location("_framework_metrics_plot", sys.argv[1])
+plot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot)
+try:
+    import matplotlib.figure
+except ImportError:
+    pass
+header = sys.stdin.buffer.readline().strip()
+if not header:
+    sys.exit(0)
+job = json.loads(sys.stdin.buffer.read(int(header)))
+try:
+    series = plot.parse_metrics(job["csv"].splitlines(), job["csv_path"])
+    plot.plot_series(series, job["csv_path"], job["output"])
+except Exception as error:
+    sys.stderr.write(f"{type(error).__name__}: {error}")
+    sys.exit(1)
+"""
+
+_pending: Dict[int, "BackgroundPlot"] = {}
+_pending_lock = threading.Lock()
+
+
+class BackgroundPlot:
+    """One ``metrics.png``, drawn by a process of its own started now and given its data by :meth:`draw`.
+
+    Args:
+        output: the PNG the drawing writes.
+        timeout: seconds the drawing may take after :meth:`draw`; then it is killed and a warning logged.
+
+    Example:
+        drawing = BackgroundPlot("outputs/metrics.png")   # at training's start: matplotlib loads meanwhile
+        ...                                               # training
+        drawing.draw("outputs/metrics.csv")               # returns at once
+        drawing.wait()                                    # 'outputs/metrics.png', or None (a warning says why)
+    """
+
+    def __init__(self, output: str, timeout: float = 120.0) -> None:
+        self.output = output
+        self.timeout = timeout
+        self.drawn: Optional[bool] = None
+        """True once the PNG is in place, False when the drawing failed or was cancelled, None while pending."""
+        self.error: Optional[str] = None
+        """Why the drawing failed (None: it did not)."""
+        self._jobs: queue.Queue[Optional[Dict[str, Any]]] = queue.Queue(maxsize=1)
+        self._given = False
+        self._thread = threading.Thread(target=self._run, name="metrics-plot", daemon=True)
+        with _pending_lock:
+            _pending[id(self)] = self
+        self._thread.start()  # the process is spawned there: a fork-exec of a large process costs ~20 ms
+
+    def draw(self, csv_path: str) -> None:
+        """Draw ``csv_path``'s metrics (read here, so the file is free at once) in the background."""
+        if self._given:
+            raise RuntimeError(f"the drawing of {self.output!r} was already given its metrics")
+        self._given = True
+        try:
+            with open(csv_path, newline="") as handle:
+                text = handle.read()
+        except OSError as error:
+            self._jobs.put(None)
+            self._fail(f"{type(error).__name__}: {error}")
+            return
+        self._jobs.put({"csv": text, "csv_path": os.path.abspath(csv_path), "output": self.output})
+
+    def cancel(self) -> None:
+        """No plot after all (the run failed, or wrote no metrics): stop the drawing process."""
+        if not self._given:
+            self._given = True
+            self._jobs.put(None)
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[str]:
+        """Wait for the drawing (cancelled first if it was never given metrics); the PNG's path,
+        or None where it failed (a warning was logged) or did not finish within ``timeout``."""
+        self.cancel()
+        self._thread.join(timeout)
+        return self.output if self.drawn else None
+
+    @property
+    def pending(self) -> bool:
+        """Whether the drawing is still under way."""
+        return self._thread.is_alive()
+
+    def _fail(self, error: str) -> None:
+        self.drawn, self.error = False, error
+        logger.warning("metrics.png not drawn in the background (%s); training itself finished", error)
+
+    def _run(self) -> None:
+        try:
+            self._draw_in_process()
+        except Exception as error:  # never lost, never raised into the run
+            self._fail(f"{type(error).__name__}: {error}")
+        finally:
+            with _pending_lock:
+                _pending.pop(id(self), None)
+
+    def _draw_in_process(self) -> None:
+        process = subprocess.Popen(
+            [sys.executable, "-c", WORKER, PLOT_MODULE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        job = self._jobs.get()
+        if job is None:
+            process.kill()
+            process.communicate()
+            if self.drawn is None:
+                self.drawn = False
+            return
+        payload = json.dumps(job).encode()
+        assert process.stdin is not None
+        try:
+            process.stdin.write(b"%d\n" % len(payload) + payload)
+            process.stdin.flush()
+        except OSError:  # the process died before reading: its stderr says why
+            pass
+        try:
+            _, errors = process.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            self._fail(f"no PNG after {self.timeout:g} s; the drawing process was stopped")
+            return
+        if process.returncode != 0:
+            text = errors.decode(errors="replace").strip().splitlines()
+            self._fail(text[-1] if text else f"the drawing process exited with status {process.returncode}")
+            return
+        self.drawn = True
+        logger.info("metrics plot: %s", self.output)
+
+
+def wait_for_plots(output: Optional[str] = None, timeout: Optional[float] = None) -> List[str]:
+    """Wait for the background drawings (only those of the PNG ``output`` when given); the PNGs
+    drawn. A drawing never given its metrics is cancelled. Called at exit and before a run draws
+    where an earlier one still does; call it yourself before removing a run's directory.
+
+    Example:
+        >>> wait_for_plots()
+        []
+    """
+    with _pending_lock:
+        drawings = list(_pending.values())
+    if output is not None:
+        drawings = [drawing for drawing in drawings if os.path.abspath(drawing.output) == os.path.abspath(output)]
+    drawn = [drawing.wait(timeout) for drawing in drawings]
+    return [path for path in drawn if path is not None]
+
+
+atexit.register(wait_for_plots)

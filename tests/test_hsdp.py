@@ -5,7 +5,8 @@ all-reduced across groups, on a ``("dp_replicate", "dp_shard")`` mesh (``fsdp``)
 One 4-rank process group (``quad_scenarios``, the file's only one) trains HSDP 2x2, plain fsdp over
 4 ranks and model-parallel HSDP 2x1x2, refuses bad sizes, stops an HSDP run mid-epoch and resumes
 it on HSDP 2x2, as fsdp over 4 ranks (each parameter in quarters, not halves) and as model-parallel
-2x2 (layers split over tp, then sharded over dp); the ``sp`` reference runs in the test process. The model is the
+2x2 (layers split over tp, then sharded over dp), and resumes fsdp's mid-epoch checkpoint under HSDP;
+the ``sp`` reference runs in the test process. The model is the
 model-parallel example's small llama (units: its blocks), with clipping that bites. Tolerance:
 weights and logged losses within 1e-5 of ``sp`` and of fsdp (the gradient sums run in another
 order); the resume on the layout that wrote the checkpoint is bitwise.
@@ -112,7 +113,9 @@ def quad_scenarios(rank: int, out: str) -> dict:
     results["mesh"] = (weight.device_mesh.mesh_dim_names, weight.device_mesh.mesh.tolist(), tuple(map(repr, weight.placements)))
     results["local_rows"] = (weight.to_local().shape[0], weight.shape[0])
     results["hsdp"] = summary(hsdp)
-    results["fsdp"] = summary(_trained(arguments(os.path.join(out, "fsdp"))))
+    fsdp = arguments(os.path.join(out, "fsdp"))
+    fsdp.checkpointer_args.save_every_n_steps = STOP_AT  # its one checkpoint, resumed under HSDP below
+    results["fsdp"] = summary(_trained(fsdp))
     split = arguments(os.path.join(out, "mp"), backend="model-parallel", tensor_parallel_size=2, data_parallel_replicate_size=2)
     model_parallel = _trained(split)
     weight = model_parallel.module.layers[0].attention.wq.weight
@@ -122,6 +125,8 @@ def quad_scenarios(rank: int, out: str) -> dict:
     _trained(arguments(stopped, save=True, data_parallel_replicate_size=2, max_steps=STOP_AT))
     results["as_hsdp"] = summary(_trained(resumed_from(stopped, os.path.join(out, "as-hsdp"), data_parallel_replicate_size=2)))
     results["as_fsdp"] = summary(_trained(resumed_from(stopped, os.path.join(out, "as-fsdp"))))
+    from_fsdp = resumed_from(os.path.join(out, "fsdp"), os.path.join(out, "from-fsdp"), data_parallel_replicate_size=2)
+    results["from_fsdp"] = summary(_trained(from_fsdp))
     as_2x2 = resumed_from(stopped, os.path.join(out, "as-2x2"), backend="model-parallel", tensor_parallel_size=2)
     results["as_2x2"] = summary(_trained(as_2x2))
     dist.destroy_process_group()
@@ -200,7 +205,7 @@ def test_the_mesh_is_two_dimensional_sharded_within_consecutive_ranks_replicated
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_an_hsdp_checkpoint_resumes_bitwise_on_hsdp_and_reshards_to_fsdp_and_model_parallel_2x2(runs):
+def test_hsdp_checkpoints_resume_bitwise_on_hsdp_and_reshard_to_fsdp_and_model_parallel_and_back(runs):
     _, quad = runs
     expected = quad[0]["hsdp"]
     for rank, result in enumerate(quad):
@@ -215,6 +220,11 @@ def test_an_hsdp_checkpoint_resumes_bitwise_on_hsdp_and_reshards_to_fsdp_and_mod
             assert max_difference(resumed["weights"], expected["weights"]) <= TOLERANCE, (name, rank)
             losses = after_stop(resumed["train_loss"]), after_stop(expected["train_loss"])
             assert logged_difference(*losses) <= TOLERANCE, (name, rank)
+    for rank, result in enumerate(quad):  # and the other way: fsdp's checkpoint resumed under HSDP
+        resumed, uninterrupted = result["from_fsdp"], result["fsdp"]
+        assert resumed["seen"][0][0] == STOP_AT and resumed["step"] == EPOCHS * SAMPLES // BATCH, rank
+        assert max_difference(resumed["weights"], uninterrupted["weights"]) <= TOLERANCE, rank
+        assert logged_difference(after_stop(resumed["train_loss"]), after_stop(uninterrupted["train_loss"])) <= TOLERANCE, rank
 
 
 @pytest.mark.distributed

@@ -2,8 +2,8 @@
 
 Example:
     >>> from backends import build_backend, available_backends
-    >>> available_backends()[:6]
-    ['ddp', 'ddp-amp', 'ddp-bf16', 'fsdp', 'fsdp-amp', 'fsdp-bf16']
+    >>> {"sp", "ddp", "fsdp", "model-parallel"} <= set(available_backends())  # and any installed plugin's
+    True
     >>> build_backend("sp")
     TrainerBackend(strategy=SingleProcess, precision=FullPrecision)
 """
@@ -19,6 +19,7 @@ from backends.environments.detection import (
     register_cluster_environment,
 )
 from backends.options import BackendArguments, check_backend_options
+from backends.plugin_options import BackendOption
 from backends.precision.precisions import FullPrecision, MixedPrecision, Precision, TrueBF16
 from backends.registry import available_backends, build_backend, register_backend
 from backends.strategies.ddp import DDP
@@ -32,6 +33,7 @@ __all__ = [
     "DDP",
     "FSDP",
     "BackendArguments",
+    "BackendOption",
     "ClusterEnvironment",
     "FullPrecision",
     "MixedPrecision",

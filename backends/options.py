@@ -13,6 +13,8 @@ backends/ never imports framework/: arguments are read by attribute name, with t
 import logging
 from typing import Any, Dict, Optional, Protocol
 
+from backends.plugin_options import declared_elsewhere, resolve_options
+
 logger = logging.getLogger(__name__)
 
 OPTION_DEFAULTS: Dict[str, Any] = {
@@ -142,6 +144,8 @@ def check_backend_options(
         raise ValueError(f"built_by={built_by!r} is invalid; allowed: 'instance', 'factory', 'legacy'")
     taken = backend.options
     label = f"backend {name!r}" if name is not None else f"the trainer_backend instance {backend!r}"
+    if built_by == "instance":
+        _check_no_plugin_options(args, label)
     lost = []
     for option_name, value in set_options(args).items():
         if option_name not in taken:
@@ -178,6 +182,21 @@ def check_backend_options(
             name,
             ", ".join(lost),
         )
+
+
+def _check_no_plugin_options(args: Optional[BackendArguments], label: str) -> None:
+    """Refuse ``backend_options`` that would not reach an instance: they go to a registered backend's factory."""
+    given = getattr(args, "backend_options", None) if args is not None else None
+    if not given:
+        return
+    try:
+        resolve_options("", {}, given, declared_elsewhere(None))  # another backend's option at its default: not set
+    except ValueError:
+        raise ValueError(
+            f"TrainerArguments.backend_options={given!r} does not reach {label}: backend_options go to the factory of a "
+            "backend chosen by name (TrainerArguments.backend); pass the values to the instance's constructors, or "
+            "register the backend and choose it by name"
+        ) from None
 
 
 STRATEGY_OPTIONS = ("use_gpu", "cluster", "compile")

@@ -6,7 +6,7 @@ import itertools
 import logging
 import sys
 import time
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from backends.data.samplers import interleave_ranks
 from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.buffers import broadcast_buffers
+from backends.strategies.ddp_wrap_options import check_wrap_options
 from backends.strategies.strategy import _NO_CONTEXT, Strategy
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,12 @@ class DDP(Strategy):
             skips some parameters in a step needs it).
         timeout_seconds: how long a collective may wait for a missing rank before the
             job fails instead of hanging (``TrainerArguments.ddp_timeout``).
+        wrap_options: more keyword arguments for ``DistributedDataParallel`` (``bucket_cap_mb``,
+            ``gradient_as_bucket_view``, ``static_graph``, ...), checked here against its signature.
+            The ones the strategy controls (``device_ids``, ``output_device``, ``process_group``,
+            ``device_mesh``, ``mixed_precision``, and ``find_unused_parameters``, which is the
+            parameter above) are refused (see :mod:`backends.strategies.ddp_wrap_options`).
+            To compute them per model, override :meth:`ddp_kwargs`.
         use_gpu, cluster, compile: as for :class:`~backends.strategies.strategy.Strategy`.
 
     Example:
@@ -57,6 +64,8 @@ class DDP(Strategy):
         >>> strategy.setup()
         >>> strategy.world_size >= 1
         True
+        >>> DDP(wrap_options={"bucket_cap_mb": 50, "static_graph": True}).ddp_kwargs(torch.nn.Linear(2, 2))
+        {'bucket_cap_mb': 50, 'static_graph': True}
     """
 
     name = "ddp"
@@ -67,6 +76,7 @@ class DDP(Strategy):
         find_unused_parameters: bool = False,
         timeout_seconds: float = 600.0,
         *,
+        wrap_options: Optional[Mapping[str, Any]] = None,
         use_gpu: Optional[bool] = None,
         cluster: Union[str, ClusterEnvironment, None] = None,
         compile: bool = False,
@@ -78,6 +88,7 @@ class DDP(Strategy):
             raise ValueError(f"timeout_seconds={timeout_seconds!r} (ddp_timeout) is invalid; allowed: seconds > 0")
         self.find_unused_parameters = find_unused_parameters
         self.timeout_seconds = float(timeout_seconds)
+        self.wrap_options: Dict[str, Any] = check_wrap_options(wrap_options, "DDP(wrap_options=...)")
         self._owns_process_group = False
         self._preemption_registered = False
         self._preemption_stop_step: Optional[int] = None
@@ -99,6 +110,20 @@ class DDP(Strategy):
             timeout_seconds=option(args, "ddp_timeout"),
             **strategy_options(args),
         )
+
+    def with_wrap_options(self, **wrap_options: Any) -> "DDP":
+        """This strategy, with more keyword arguments for ``DistributedDataParallel`` (checked as
+        ``wrap_options`` are); for a factory that builds it from the run's arguments.
+
+        Example:
+            >>> DDP.from_arguments(None).with_wrap_options(gradient_as_bucket_view=True).wrap_options
+            {'gradient_as_bucket_view': True}
+        """
+        self.wrap_options = {
+            **self.wrap_options,
+            **check_wrap_options(wrap_options, f"{type(self).__name__}.with_wrap_options()"),
+        }
+        return self
 
     @property
     def options(self) -> Dict[str, Any]:
@@ -180,12 +205,29 @@ class DDP(Strategy):
         if self.device.type == "cpu":
             time.sleep(0.1)
 
+    def ddp_kwargs(self, module: torch.nn.Module) -> Dict[str, Any]:
+        """The keyword arguments ``DistributedDataParallel`` gets for ``module`` besides the ones the
+        strategy controls (devices, process group, ``find_unused_parameters``): ``wrap_options``.
+
+        Override it to compute them from the model (e.g. ``static_graph`` only for some models);
+        what it returns is checked like ``wrap_options`` at each wrap.
+
+        Example:
+            >>> class BigBuckets(DDP):
+            ...     def ddp_kwargs(self, module):
+            ...         return {**super().ddp_kwargs(module), "bucket_cap_mb": 100}
+            >>> BigBuckets().ddp_kwargs(torch.nn.Linear(2, 2))
+            {'bucket_cap_mb': 100}
+        """
+        return dict(self.wrap_options)
+
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         module = super().wrap_module(module)  # compiles the units when asked
         if not self.distributed:
             return module
+        extra = check_wrap_options(self.ddp_kwargs(module), f"{type(self).__name__}.ddp_kwargs()")
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters)
+        return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters, **extra)
 
     def inference(self, module: torch.nn.Module) -> ContextManager:
         """Evaluate on rank zero's buffers (see :mod:`backends.strategies.buffers`): DDP broadcast them at the

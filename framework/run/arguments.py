@@ -1,7 +1,7 @@
 """TrainerArguments: every knob of a training run, checked when it is built."""
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.loggers.base import Logger
@@ -114,6 +114,10 @@ class TrainerArguments(_CarriesRunConfig):
     ``(..., "tp")`` under model-parallel). Usually the number of nodes, so all-gathers stay inside a node. Must
     divide the data-parallel size. None: 1 (shard over every data-parallel rank). Other backends refuse a value
     (see docs/distributed.md)."""
+    backend_options: Dict[str, Any] = field(default_factory=dict)
+    """The chosen backend's own options (a plugin declares them; ``--help`` lists them under its name):
+    ``--trainer.backend_options.NAME VALUE``, or ``backend_options: {NAME: VALUE}`` under ``trainer:`` in YAML.
+    A name the backend does not declare is refused (see docs/backends.md)."""
     cluster: Optional[str] = None
     """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
     compile: bool = False
@@ -215,6 +219,8 @@ class TrainerArguments(_CarriesRunConfig):
         _require(isinstance(self.reshard_after_forward, bool), "reshard_after_forward", self.reshard_after_forward, "True, False")
         _require(str(self.log_level).upper() in _LOG_LEVELS, "log_level", self.log_level, f"one of {_LOG_LEVELS}")
         _require(isinstance(self.backend, str) and bool(self.backend), "backend", self.backend, "a backend name")
+        options = self.backend_options
+        _require(isinstance(options, dict) and all(isinstance(k, str) for k in options), "backend_options", options, "a dict")
         parse_signals(self.preemption_signals)  # an unknown name is an error naming it and the allowed ones
         _require(
             self.cluster is None or (isinstance(self.cluster, str) and bool(self.cluster)),

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.run.arguments import TrainerArguments
+from framework.run.backend_options_config import gather_backend_options
 from framework.run.bounded_repr import bounded_repr
 from framework.run.bounded_yaml import YamlRefused, load_yaml
 from framework.run.class_path import (
@@ -239,14 +240,13 @@ def _build(classes: Dict[str, Type], argv: List[str]) -> RunConfig:
         if text is _NO_VALUE and is_class_override(key):
             errors.append(f"--{key} needs a value")
         elif key == "trainer.callbacks":
-            from framework.run.bounded_yaml import YamlRefused, load_yaml
-
             try:
                 callback_specs = load_yaml(text) if isinstance(text, str) else text
             except YamlRefused as error:
                 errors.append(f"--trainer.callbacks: {error}")
         elif key.split(".")[0] in classes or not apply_class_override(specs, key, text):
             given.append((key, text, "command line", True))
+    errors += gather_backend_options(given)  # --trainer.backend_options.NAME: the chosen backend's own options
     for name in specs:
         if name not in SPEC_SECTIONS:
             errors.append(

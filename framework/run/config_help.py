@@ -7,7 +7,7 @@ import inspect
 import re
 import textwrap
 import typing
-from typing import Any, Dict, Mapping, Optional, Type
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 from framework.run.config_convert import type_name
 
@@ -82,4 +82,35 @@ def format_help(classes: Mapping[str, Type], program: str = "run.py", current: O
             lines.append(f"  --{section}.{f.name} ({type_name(hints.get(f.name, f.type))}, default {default}{this_run})")
             if f.name in docs:
                 lines.append(f"      {_plain_text(docs[f.name])}")
+        if section == "trainer":
+            lines += backend_option_help(values.get("backend_options", {}))
     return "\n".join(lines)
+
+
+def backend_option_help(current: Mapping[str, Any]) -> List[str]:
+    """The options registered backends declare, grouped under the backends that declare them (one
+    group for backends with the same declarations), as ``--help`` lists them; ``current``: this run's values."""
+    from backends import available_backends
+    from backends.registry import declared_options
+
+    groups: Dict[Tuple[Any, ...], List[str]] = {}
+    declarations = {}
+    for name in available_backends():
+        declared = declared_options(name)
+        if declared:
+            key = tuple((option, repr(d.default), d.help, d.type_name, d.choices) for option, d in declared.items())
+            groups.setdefault(key, []).append(name)
+            declarations[key] = declared
+    if not groups:
+        return []
+    lines = ["", "trainer.backend_options:  each backend's own options (a name the chosen backend does not declare is refused)"]
+    for key, names in groups.items():
+        lines.append(f"  {', '.join(names)}:")
+        for option, declaration in declarations[key].items():
+            now = f"; this run: {current[option]!r}" if option in current and current[option] != declaration.default else ""
+            choices = f", one of {list(declaration.choices)!r}" if declaration.choices is not None else ""
+            kind = f"{declaration.type_name}{choices}, default {declaration.default!r}{now}"
+            lines.append(f"    --trainer.backend_options.{option} ({kind})")
+            if declaration.help:
+                lines.append(f"        {declaration.help}")
+    return lines

@@ -96,7 +96,8 @@ def test_each_configuration_runs_its_own_step_class_chosen_once(tmp_path, module
 
 def test_every_micro_batch_and_chunk_but_a_cycles_last_skips_the_gradient_sync(tmp_path):
     """Catches: ``no_sync`` dropped (or entered on the last micro-batch) in the automatic step,
-    and in the TBPTT step on non-last micro-batches or chunks."""
+    and in the TBPTT step on non-last micro-batches or chunks; a TBPTT chunk's loss not divided
+    by the cycle's length (Adam would not see it: SGD here)."""
     args = make_args(tmp_path / "automatic", train_batch_size=16, gpu_batch_size_limit=8)
     trainer = Trainer(ToyModule(n_train=64, val_loaders=0), args, trainer_backend=spying_backend())
     trainer.train()
@@ -108,6 +109,12 @@ def test_every_micro_batch_and_chunk_but_a_cycles_last_skips_the_gradient_sync(t
     trainer.train()
     assert trainer.gradient_accumulation == 2 and trainer.global_steps_finished == 2
     assert trainer.backend.strategy.flags == [True, True, True, True, True, False] * 2  # 2 micro-batches x 3 chunks
+
+    # Each chunk's loss is divided by the chunks and the micro-batches: the same step as one 16-sequence batch.
+    whole = Trainer(Sequences(), make_args(tmp_path / "whole", train_batch_size=16, tbptt_steps=5))
+    whole.train()
+    assert whole.gradient_accumulation == 1
+    torch.testing.assert_close(flat_parameters(trainer.module), flat_parameters(whole.module), rtol=1e-5, atol=1e-6)
 
 
 class Stream(IterableDataset):
@@ -144,3 +151,24 @@ def test_a_stream_ending_inside_a_cycle_steps_on_the_mean_of_the_micro_batches_i
         optimizer.step()
         optimizer.zero_grad()
     torch.testing.assert_close(flat_parameters(module), flat_parameters(reference), rtol=1e-6, atol=1e-7)
+
+
+def test_the_closure_clips_the_gradients_the_optimizer_reevaluates(tmp_path):
+    """LBFGS with ``clip_grad_value``: the framework's step equals a hand-written closure that
+    clips after each backward. Catches: the closure not clipping (LBFGS would follow raw gradients)."""
+    module, reference = LBFGSToy(n_train=32, val_loaders=0), LBFGSToy(n_train=32, val_loaders=0)
+    Trainer(module, make_args(tmp_path, train_batch_size=32, clip_grad_value=0.01)).train()
+
+    (optimizer,), _ = reference.get_optimizers_schedulers(1, 1)
+    x, y = reference.train_ds.tensors
+
+    def closure():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(reference.net(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(reference.parameters(), 0.01)
+        return loss
+
+    optimizer.step(closure)
+    assert not torch.equal(flat_parameters(module), flat_parameters(LBFGSToy(n_train=32)))  # it did train
+    torch.testing.assert_close(flat_parameters(module), flat_parameters(reference), rtol=1e-5, atol=1e-6)

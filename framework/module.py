@@ -1,6 +1,7 @@
 """ModuleInterface: what a user implements, and the dispatcher that DDP wraps."""
 
 import abc
+import inspect
 from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
@@ -10,6 +11,8 @@ from backends.strategies.model_parallel import DEFAULT_PARALLELIZE_MARK
 from framework.loop.hooks import TrainingHooks
 from framework.loop.manual_optimization import ManualOptimization, one_or_list
 from framework.loop.stage import Stage
+from framework.run import hyperparameters
+from framework.run.hyperparameters import HYPER_PARAMETERS_KEY, AttributeDict
 
 if TYPE_CHECKING:
     from framework.loop.view import TrainerView
@@ -148,12 +151,53 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     setattr(parallelize, DEFAULT_PARALLELIZE_MARK, True)  # the strategy applies the plan itself
 
     def get_state(self) -> Dict[str, Any]:
-        """What a checkpoint keeps of the module: by default its ``state_dict``."""
-        return {"model": self.state_dict()}
+        """What a checkpoint keeps of the module: by default its ``state_dict``, and its
+        :attr:`hparams` under ``"hyper_parameters"`` where :meth:`save_hyperparameters` saved any."""
+        state: Dict[str, Any] = {"model": self.state_dict()}
+        if self.hparams:
+            state[HYPER_PARAMETERS_KEY] = dict(self.hparams)
+        return state
 
     def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned."""
+        """Restore what :meth:`get_state` returned (saved hyper-parameters included: :attr:`hparams`)."""
         self.load_state_dict(state["model"])
+        if isinstance(state.get(HYPER_PARAMETERS_KEY), dict):
+            self.__dict__["_hparams"] = AttributeDict(state[HYPER_PARAMETERS_KEY])
+
+    # -- hyper-parameters (Lightning's names) ------------------------------------------
+    def save_hyperparameters(self, *names: Any, ignore: Union[str, Sequence[str]] = ()) -> None:
+        """Keep the calling ``__init__``'s arguments (or only ``names``, or one dict) as
+        :attr:`hparams`; the trainer writes them to ``config.yaml`` (section
+        ``hyper_parameters``) and every checkpoint keeps them (restored with the weights).
+
+        Values must be plain: None, bool, int, float, str, and lists and string-keyed dicts of
+        them. Read from ``__init__``, other values (a tensor, a module) are skipped with a warning
+        naming them (``ignore=[...]`` skips them quietly); named or given in a dict, they are refused.
+
+        Raises:
+            TypeError: a named or given value is not plain (the message names it).
+            ValueError: a name that is not an argument of ``__init__``.
+
+        Example:
+            >>> class Net(ModuleInterface):
+            ...     def __init__(self, hidden: int = 32, lr: float = 0.1):
+            ...         super().__init__()
+            ...         self.save_hyperparameters()
+            ...     get_optimizers_schedulers = get_train_dataloader = train_step = None
+            >>> Net(hidden=64).hparams
+            {'hidden': 64, 'lr': 0.1}
+        """
+        frame = inspect.currentframe()
+        try:
+            values, _ = hyperparameters.capture(self, names, ignore, None if frame is None else frame.f_back)
+        finally:
+            del frame
+        self.__dict__["_hparams"] = AttributeDict(values)
+
+    @property
+    def hparams(self) -> AttributeDict:
+        """The saved hyper-parameters, read as attributes (``self.hparams.lr``); empty until saved."""
+        return self.__dict__.setdefault("_hparams", AttributeDict())
 
     # -- where the module runs ---------------------------------------------------------
     _trainer: Optional["TrainerView"] = None  # set by attach()
@@ -163,6 +207,8 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         """Called by ``Trainer(...)``: the trainer this module runs in, and where ``self.log`` records."""
         self._trainer = trainer
         self._metric_logger = metric_logger
+        if self.hparams:  # into the config.yaml the trainer writes when training starts
+            hyperparameters.add_to_config(trainer.args, self.hparams)
 
     @property
     def trainer(self) -> "TrainerView":

@@ -367,8 +367,8 @@ def _flatten(data: Mapping[str, Any], source: str, errors: Optional[List[str]] =
     flat = {}
     for key, value in data.items():
         key = str(key)
-        if key == RUN_ID_KEY:
-            continue  # the id of the run that saved this config.yaml: not a setting
+        if key in (RUN_ID_KEY, "hyper_parameters"):
+            continue  # the id of the run that saved this config.yaml, the module's saved hparams: not settings
         if key in SHORTCUTS:
             flat[SHORTCUTS[key]] = value
         elif key in LIGHTNING_TOP_LEVEL and errors is not None:

@@ -1,0 +1,90 @@
+"""ModuleInterface.save_hyperparameters (Lightning's name): captured from __init__, self.hparams,
+config.yaml's hyper_parameters section, checkpoints, and restored with the weights."""
+
+import glob
+import os
+
+import pytest
+import torch
+import yaml
+
+from toy import ToyModule, toy_args
+
+from framework import Trainer
+from framework.checkpoint import DefaultCheckpointerArguments
+from framework.checkpoint.weights import load_weights
+from framework.run.config import parse_config
+
+
+class Classifier(ToyModule):
+    """A Lightning-style module: its __init__ arguments are its hyper-parameters."""
+
+    def __init__(self, hidden: int = 32, lr: float = 0.05, sizes=(4, 8), encoder: torch.nn.Module = None, **extra) -> None:
+        super().__init__(hidden=hidden, lr=lr)
+        self.encoder = encoder
+        self.save_hyperparameters()
+
+
+class Wider(Classifier):
+    def __init__(self, width: int = 48, lr: float = 0.02) -> None:
+        super().__init__(hidden=width, lr=lr * 2, note="wide")
+
+
+def test_hparams_from_init_into_config_yaml_and_checkpoints_and_back(tmp_path, framework_log):
+    """Kills: arguments not captured (or the parent's __init__ winning over the subclass's), the
+    config.yaml section missing, the checkpoint without them, update_state not restoring them, a
+    module argument saved or skipped silently, --config refusing the section."""
+    module = Classifier(hidden=16, lr=0.1, encoder=torch.nn.Linear(2, 2), tag="a")
+    assert module.hparams == {"hidden": 16, "lr": 0.1, "sizes": (4, 8), "tag": "a"}
+    assert module.hparams.lr == 0.1 and module.hparams.sizes == (4, 8)
+    assert [m for m in framework_log if "skipped encoder (Linear)" in m and "ignore=['encoder']" in m], framework_log
+    assert Wider().hparams == {"hidden": 48, "lr": 0.02, "sizes": (4, 8), "encoder": None, "note": "wide", "width": 48}
+
+    checkpoints = DefaultCheckpointerArguments(period=1, save_at_end=True)
+    Trainer(module, toy_args(tmp_path, checkpoints=checkpoints)).train()
+    run = tmp_path / "run"
+    with open(run / "config.yaml") as handle:
+        written = yaml.safe_load(handle)
+    assert written["hyper_parameters"] == {"hidden": 16, "lr": 0.1, "sizes": [4, 8], "tag": "a"}
+    assert written["trainer"]["epochs"] == 1  # beside the run's own sections
+    assert parse_config(argv=["--config", str(run / "config.yaml")]).trainer.epochs == 1  # a record, not a setting
+
+    saved = torch.load(sorted(glob.glob(os.path.join(run, "checkpoints", "checkpoint-*.pt")))[-1], weights_only=True)
+    assert saved["module"]["hyper_parameters"] == {"hidden": 16, "lr": 0.1, "sizes": (4, 8), "tag": "a"}
+
+    fresh = Classifier(hidden=16, lr=0.5, encoder=torch.nn.Linear(2, 2))
+    assert fresh.hparams.lr == 0.5
+    load_weights(fresh, str(run / "checkpoints"))
+    assert fresh.hparams == {"hidden": 16, "lr": 0.1, "sizes": (4, 8), "tag": "a"}
+    assert torch.equal(fresh.net[0].weight, module.net[0].weight)
+
+
+class Named(ToyModule):
+    def __init__(self, hidden: int = 32, lr: float = 0.05, table=None) -> None:
+        super().__init__(hidden=hidden, lr=lr)
+        self.save_hyperparameters(*self.names)
+
+    names: tuple = ()
+
+
+def test_names_dicts_and_refusals():
+    """Kills: names not honoured, a tensor or module accepted by name or in a dict, an unknown name
+    or a call outside __init__ passing unnoticed."""
+    Named.names = ("lr",)
+    assert Named(lr=0.3).hparams == {"lr": 0.3}
+    Named.names = ("table",)
+    with pytest.raises(TypeError, match=r"table \(Tensor\) cannot be saved in config.yaml or a checkpoint"):
+        Named(table=torch.ones(2))
+    with pytest.raises(TypeError, match=r"table\['w'\]\[1\] cannot be saved"):
+        Named(table={"w": [1, torch.nn.ReLU()]})
+    Named.names = ("lr", "rate")
+    with pytest.raises(ValueError, match=r"\['rate'\] are not arguments of __init__; it has \['hidden', 'lr', 'table'\]"):
+        Named()
+    module = Classifier()
+    module.save_hyperparameters({"optimizer": {"name": "adamw", "betas": [0.9, 0.99]}})
+    assert module.hparams.optimizer["betas"] == [0.9, 0.99]
+    with pytest.raises(TypeError, match=r"weights \(Tensor\)"):
+        module.save_hyperparameters({"weights": torch.zeros(1)})
+    with pytest.raises(RuntimeError, match="call it inside __init__"):
+        module.save_hyperparameters()
+    assert ToyModule().hparams == {} and "hyper_parameters" not in ToyModule().get_state()

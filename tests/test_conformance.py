@@ -17,7 +17,8 @@ import pytest
 from backends import SingleProcess, TrainerBackend, available_backends, build_backend, register_backend
 from backends.registry import unregister_backend
 from framework.conformance import FEATURES, KNOWN_SEAMS, MODELS, conformance, format_table, register_feature
-from framework.conformance.matrix import covering, runs_at
+from framework.conformance.matrix import covering, runs_at, targeted_cells
+from framework.conformance.registry import TARGETED
 from framework.conformance.report import built_in_backends, run_backend, suite_design
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,14 +59,20 @@ def test_the_suite_design_covers_every_pair_and_joins_new_features_and_backends(
     design = suite_design()
     assert design == suite_design()  # fixed seed: the same cells every run
     feature_model, feature_backend, model_backend = _pairs(design)
+    covered = [model for model in MODELS if not TARGETED[model]]
     every = {
-        (feature, model) for feature, spec in FEATURES.items() for model in MODELS if spec.models is None or model in spec.models
+        (feature, model) for feature, spec in FEATURES.items() for model in covered if spec.models is None or model in spec.models
     }
-    assert feature_model == every
+    targeted = {(backend, cell) for backend in backends for cell in targeted_cells(backend)}
+    assert {("model-parallel", ("automatic", "tied-tp")), ("fsdp", ("resume_kill9", "batchnorm"))} <= targeted
+    assert all(cell in design[backend] for backend, cell in targeted)  # each shape where it matters
+    assert feature_model == every | {cell for _, cell in targeted}  # a targeted shape nowhere else
     everywhere = [feature for feature, spec in FEATURES.items() if spec.every_backend]
     assert feature_backend >= {(feature, backend) for feature in everywhere for backend in backends}
     assert "compile" not in everywhere  # seconds of inductor work per process: paired with its shapes only
-    assert model_backend == {(model, backend) for model in MODELS for backend in backends}
+    assert model_backend == {(model, backend) for model in covered for backend in backends} | {
+        (model, backend) for backend, (_, model) in targeted
+    }
     multi = [backend for backend in backends if build_backend(backend).multi_process]
     at_two = {(feature, backend) for backend in multi for feature, model in design[backend] if runs_at(feature, model, 2)}
     assert at_two >= {(feature, backend) for feature in everywhere for backend in multi}  # each at 2 ranks somewhere

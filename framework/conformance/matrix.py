@@ -1,5 +1,5 @@
 """Which cells of the matrix run: the quick subset, everything, or a covering design over
-backends for the test suite; and the known seams (cells expected to fail until a fix lands).
+backends for the test suite, with the cells the shapes target; and the known seams (cells expected to fail until a fix lands).
 
 A cell is (feature, model) on a backend at a world size. ``--all`` runs every feature with every
 model it takes; the default (quick) subset runs the quick features with the quick models, and
@@ -12,7 +12,7 @@ import fnmatch
 import random
 from typing import Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from framework.conformance.registry import FEATURES, MODELS, QUICK_MODELS
+from framework.conformance.registry import FEATURES, MODELS, QUICK_MODELS, TARGETED, TARGETS
 
 Cell = Tuple[str, str]
 """(feature, model)."""
@@ -70,9 +70,27 @@ def runs_at(feature: str, model: str, world_size: int) -> bool:
 
 
 def models_of(feature: str) -> List[str]:
-    """The zoo models ``feature`` runs with."""
+    """The zoo models ``feature`` runs with (a targeted shape: only with its targets' features)."""
     wanted = FEATURES[feature].models
-    return [model for model in MODELS if wanted is None or model in wanted]
+    return [
+        model
+        for model in MODELS
+        if (wanted is None or model in wanted)
+        and (not TARGETED.get(model) or any(target == feature for target, _ in TARGETS[model]))
+    ]
+
+
+def targeted_cells(backend: str) -> List[Cell]:
+    """The cells the shapes' targets add for ``backend`` (a layout only some backends can break,
+    run where it matters; see ``register_model(targets=...)``).
+
+    Example:
+        >>> ("automatic", "tied-tp") in targeted_cells("model-parallel"), targeted_cells("sp")
+        (True, [])
+    """
+    return [
+        (feature, model) for model, targets in TARGETS.items() for feature, patterns in targets if _matches(backend, patterns)
+    ]
 
 
 def all_cells(features: Optional[Sequence[str]] = None, models: Optional[Sequence[str]] = None) -> List[Cell]:
@@ -115,7 +133,7 @@ def covering(backends: Sequence[str], seed: int = 0, multi: Collection[str] = ()
 
     For a backend in ``multi`` (multi-process), a (feature, backend) pair is covered only by a
     model that runs on 2 ranks: every feature of such a backend runs at 2 ranks somewhere."""
-    candidates = [(feature, model, backend) for feature, model in all_cells() for backend in backends]
+    candidates = [(feature, model, backend) for feature, model in all_cells() if not TARGETED.get(model) for backend in backends]
     multi = set(multi)
 
     def pairs(candidate: Tuple[str, str, str]) -> Set[Tuple[str, str, str]]:
@@ -143,7 +161,7 @@ def covering(backends: Sequence[str], seed: int = 0, multi: Collection[str] = ()
 
 def _runs_at_two(feature: str) -> bool:
     """Whether ``feature`` takes any model that runs on 2 ranks (and runs there itself)."""
-    return any(runs_at(feature, model, 2) for model in models_of(feature))
+    return any(runs_at(feature, model, 2) for model in models_of(feature) if not TARGETED.get(model))
 
 
 def _checked(names: Optional[Sequence[str]], known: Mapping[str, object], what: str) -> List[str]:

@@ -62,6 +62,16 @@ MODELS: Dict[str, Type[Any]] = {}
 """Every registered model shape by name (``"mlp"`` first: the one every feature runs with)."""
 QUICK_MODELS: Dict[str, bool] = {}
 
+Target = Tuple[str, str]
+"""(feature, backend patterns): a cell a shape runs in, on the backends whose names match one of the
+``|``-separated ``fnmatch`` patterns (``"model-parallel|fsdp"``)."""
+TARGETS: Dict[str, Tuple[Target, ...]] = {}
+"""The cells each shape is run in by the suite beside (or, for a targeted shape, instead of) the
+covering design: a layout that only some backends can break is run where it matters."""
+TARGETED: Dict[str, bool] = {}
+"""Shapes outside the covering design: they run only with the features of their targets (on the
+targeted backends in the suite; on any backend from the command line)."""
+
 
 def register_feature(
     name: str,
@@ -97,8 +107,15 @@ def register_feature(
     return decorator
 
 
-def register_model(name: str, *, quick: bool = False) -> Callable[[M], M]:
+def register_model(
+    name: str, *, quick: bool = False, targets: Tuple[Target, ...] = (), covered: Optional[bool] = None
+) -> Callable[[M], M]:
     """Register a model shape (a ``KitNet`` subclass) as ``name`` (a decorator).
+
+    ``targets``: cells (feature, backend patterns) the suite runs the shape in, beyond the covering
+    design; ``covered`` (default: no targets) whether the covering design pairs it with every
+    feature and backend too. A shape with targets and ``covered=False`` runs only with its
+    targets' features.
 
     Example:
         >>> from framework.conformance.models import KitNet
@@ -113,8 +130,15 @@ def register_model(name: str, *, quick: bool = False) -> Callable[[M], M]:
     def decorator(cls: M) -> M:
         if name in MODELS and MODELS[name] is not cls:
             raise ValueError(f"conformance model {name!r} is already registered")
+        unknown = [feature for feature, _ in targets if feature not in FEATURES]
+        if unknown:
+            raise ValueError(
+                f"conformance model {name!r}: targets name unknown feature(s) {unknown}; registered: {list(FEATURES)}"
+            )
         MODELS[name] = cls
         QUICK_MODELS[name] = quick
+        TARGETS[name] = tuple(targets)
+        TARGETED[name] = not (not targets if covered is None else covered)
         return cls
 
     return decorator

@@ -139,7 +139,7 @@ class WithFrozenParameters(KitNet):
         self.blocks[0].requires_grad_(False)
 
 
-@register_model("batchnorm")
+@register_model("batchnorm", targets=(("resume_kill9", "fsdp"),), covered=True)  # one truth for buffers at 2 ranks
 class WithBatchNorm(KitNet):
     """A ``BatchNorm1d`` inside the first block (running statistics: float and integer buffers).
 

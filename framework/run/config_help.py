@@ -66,6 +66,8 @@ def format_help(classes: Mapping[str, Type], program: str = "run.py", current: O
         "",
         "Values come from the field defaults, then --config, then the command line.",
         "A boolean field given without a value is set to true. --backend NAME is --trainer.backend NAME.",
+        "--print_config prints the resolved config as YAML (loadable with --config) and exits: add it to any",
+        "command line to see every value the run would use.",
     ]
     for section, cls in classes.items():
         summary = (inspect.getdoc(cls) or "").strip().splitlines()

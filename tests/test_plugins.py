@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from distributed import run_ranks
 from toy import ToyModule
 
 import backends.registry as registry
@@ -24,6 +25,7 @@ from backends import (
     register_backend,
 )
 from framework import Trainer, TrainerArguments
+from framework.run.config import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILT_INS = ["ddp", "ddp-amp", "ddp-bf16", "fsdp", "fsdp-amp", "fsdp-bf16"]
@@ -270,3 +272,145 @@ def test_a_call_overridden_on_the_backend_strategy_or_precision_is_made_every_st
     trainer.train()
     assert trainer.global_steps_finished == 4
     assert calls == {"backward": 4, "no_sync": 4, "unscale_gradients": 4}
+
+
+def _ddp_wrap_options_rank(rank, output_dir):
+    """One rank: the same runs on plain ``ddp`` and on a plugin whose options tune DistributedDataParallel."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = {}
+
+    class RecordingDDP(DDP):
+        def wrap_module(self, module):
+            wrapped[self.tag] = super().wrap_module(module)
+            return wrapped[self.tag]
+
+    def strategy(args, tag):
+        built = RecordingDDP.from_arguments(args)
+        built.tag = tag
+        return built
+
+    def tuned(args, bucket_cap_mb, static_graph, bucket_view):
+        wrap = dict(bucket_cap_mb=bucket_cap_mb, static_graph=static_graph, gradient_as_bucket_view=bucket_view)
+        return TrainerBackend(strategy(args, args.output_dir.rsplit("/", 1)[1]).with_wrap_options(**wrap), FullPrecision())
+
+    register_backend("ddp-recorded", lambda args: TrainerBackend(strategy(args, args.output_dir.rsplit("/", 1)[1])))
+    register_backend("ddp-tuned", tuned, options={"bucket_cap_mb": 25, "static_graph": False, "bucket_view": False})
+
+    def train(tag, backend, micro_batch, **options):
+        args = TrainerArguments(
+            epochs=2, train_batch_size=32, gpu_batch_size_limit=micro_batch, seed=0, use_gpu=False, disable_tqdm=True,
+            log_level="WARNING", output_dir=f"{output_dir}/{tag}", backend=backend, backend_options=options,
+            checkpointer_args={"period": 0, "save_at_end": False},
+        )  # fmt: skip
+        trainer = Trainer(ToyModule(n_train=128, scheduler=None), args)
+        trainer.train()
+        return torch.cat([p.detach().flatten() for p in trainer.module.parameters()]).tolist()
+
+    weights = {
+        "plain_accumulating": train("plain_accumulating", "ddp-recorded", 8),  # 2 micro-batches of 8 per rank and step
+        "tuned_accumulating": train("tuned_accumulating", "ddp-tuned", 8, bucket_cap_mb=1, bucket_view=True),
+        "plain": train("plain", "ddp-recorded", None),
+        "static": train("static", "ddp-tuned", None, static_graph=True),
+    }
+    try:
+        train("static_accumulating", "ddp-tuned", 8, static_graph=True)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    assert all(isinstance(module, DistributedDataParallel) for module in wrapped.values())
+    return {
+        "bucket_bytes": {tag: module.bucket_bytes_cap for tag, module in wrapped.items()},
+        "static_graph": {tag: module.static_graph for tag, module in wrapped.items()},
+        "bucket_view": {tag: module.gradient_as_bucket_view for tag, module in wrapped.items()},
+        "weights": weights,
+        "refused": refused,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_plugins_options_tune_distributed_data_parallel_on_two_ranks_and_training_stays_exact(tmp_path):
+    """``DDP.with_wrap_options`` from a plugin's declared options reaches torch's wrapper (no copy of
+    ``wrap_module``): buckets of 1 MB and gradients as bucket views under accumulation (``no_sync``),
+    a static graph without; the weights equal plain ddp's bit for bit, on both ranks. A static graph
+    with accumulation, which torch's reducer cannot run, is refused with the way out."""
+    ranks = run_ranks(_ddp_wrap_options_rank, timeout=150, output_dir=str(tmp_path))
+    mb = 1024 * 1024
+    for result in ranks:
+        assert result["bucket_bytes"] == {
+            "plain_accumulating": 25 * mb,
+            "tuned_accumulating": mb,
+            "plain": 25 * mb,
+            "static": 25 * mb,
+            "static_accumulating": 25 * mb,
+        }
+        assert [tag for tag, on in result["bucket_view"].items() if on] == ["tuned_accumulating"]
+        assert [tag for tag, on in result["static_graph"].items() if on] == ["static", "static_accumulating"]
+        weights = result["weights"]
+        assert weights["tuned_accumulating"] == weights["plain_accumulating"]
+        assert weights["static"] == weights["plain"]
+        assert "static_graph=True) (a DDP wrap option) cannot skip the gradient sync" in result["refused"]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
+
+INSTALLED_PLUGIN = '''
+"""A backend package installed the way pip installs one, found through its entry points."""
+from backends import DDP, FullPrecision, TrainerBackend
+
+
+class InstalledBackend(TrainerBackend):
+    declared_options = {"bucket_cap_mb": (25, "DDP bucket size in MB")}
+
+    def __init__(self, args=None, bucket_cap_mb=25):
+        super().__init__(DDP.from_arguments(args).with_wrap_options(bucket_cap_mb=bucket_cap_mb), FullPrecision())
+'''
+LISTING_TESTS = "known_names or register_subclass_and_factory or entry_point_package or dpp or every_backend_is_in_the_table"
+LISTING_TESTS += " or __init__"  # backends/__init__.py's doctest
+
+
+@pytest.mark.slow
+def test_the_tests_that_list_backends_pass_with_a_plugin_installed_and_its_options_show_in_help(tmp_path, monkeypatch, capsys):
+    """A plugin in the user's site-packages (as ``pip install --user`` puts it: seen by every child
+    process, whatever its PYTHONPATH), named to sort first and last, adds backends: the project's
+    tests and doctests that list backends still pass, and ``--help`` shows its declared options."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site_packages = tmp_path / "lib" / version / "site-packages"
+    (site_packages / "installed_plugin").mkdir(parents=True)
+    (site_packages / "installed_plugin" / "__init__.py").write_text(INSTALLED_PLUGIN)
+    dist_info = site_packages / "installed_plugin-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: installed-plugin\nVersion: 0.1\n")
+    names = ["aa-installed", "zz-installed"]
+    (dist_info / "entry_points.txt").write_text(
+        "[framework.backends]\n" + "".join(f"{name} = installed_plugin:InstalledBackend\n" for name in names)
+    )
+    monkeypatch.syspath_prepend(str(site_packages))  # here: --help reads the declarations from the entry point's class
+    registry.reload_entry_points()
+    try:
+        with pytest.raises(SystemExit):
+            parse_config(argv=["--help"])
+    finally:
+        sys.modules.pop("installed_plugin", None)
+    help_text = capsys.readouterr().out
+    assert "\n  aa-installed, zz-installed:\n    --trainer.backend_options.bucket_cap_mb (int, default 25)\n" in help_text
+
+    environment = dict(os.environ, PYTHONUSERBASE=str(tmp_path), PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    tests = ["backends/__init__.py", "tests/test_plugins.py", "tests/test_cli.py", "tests/test_docs.py"]
+    arguments = ["--doctest-modules", "-p", "no:cacheprovider", "-q", "-k", LISTING_TESTS, *tests]
+    script = (
+        "import sys, backends, pytest; installed = [n for n in backends.available_backends() if 'installed' in n]; "
+        f"assert installed == {names!r}, f'the plugin is not installed here: {{installed}}'; "
+        f"sys.exit(pytest.main({arguments!r}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]  # python -s would hide the plugin
+    assert "6 passed" in result.stdout, result.stdout[-3000:]

@@ -88,7 +88,9 @@ class DDP(Strategy):
             raise ValueError(f"timeout_seconds={timeout_seconds!r} (ddp_timeout) is invalid; allowed: seconds > 0")
         self.find_unused_parameters = find_unused_parameters
         self.timeout_seconds = float(timeout_seconds)
-        self.wrap_options: Dict[str, Any] = check_wrap_options(wrap_options, "DDP(wrap_options=...)")
+        self.wrap_options: Dict[str, Any] = {}
+        if wrap_options is not None:
+            self._add_wrap_options(wrap_options, f"{type(self).__name__}(wrap_options=...)")
         self._owns_process_group = False
         self._preemption_registered = False
         self._preemption_stop_step: Optional[int] = None
@@ -119,11 +121,14 @@ class DDP(Strategy):
             >>> DDP.from_arguments(None).with_wrap_options(gradient_as_bucket_view=True).wrap_options
             {'gradient_as_bucket_view': True}
         """
-        self.wrap_options = {
-            **self.wrap_options,
-            **check_wrap_options(wrap_options, f"{type(self).__name__}.with_wrap_options()"),
-        }
+        self._add_wrap_options(wrap_options, f"{type(self).__name__}.with_wrap_options()")
         return self
+
+    def _add_wrap_options(self, wrap_options: Mapping[str, Any], given_as: str) -> None:
+        checked = check_wrap_options(wrap_options, given_as)
+        if self.shards_parameters and checked:  # FSDP, ModelParallel: they shard instead of wrapping
+            raise ValueError(f"{given_as}: {type(self).__name__} shards parameters; it never wraps with DistributedDataParallel")
+        self.wrap_options = {**self.wrap_options, **checked}
 
     @property
     def options(self) -> Dict[str, Any]:
@@ -223,9 +228,9 @@ class DDP(Strategy):
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         module = super().wrap_module(module)  # compiles the units when asked
+        extra = check_wrap_options(self.ddp_kwargs(module), f"{type(self).__name__}.ddp_kwargs()")  # in one process too
         if not self.distributed:
             return module
-        extra = check_wrap_options(self.ddp_kwargs(module), f"{type(self).__name__}.ddp_kwargs()")
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters, **extra)
 
@@ -239,6 +244,12 @@ class DDP(Strategy):
 
     def no_sync(self, wrapped: torch.nn.Module, skip_gradient_sync: bool) -> ContextManager:
         if skip_gradient_sync and isinstance(wrapped, DistributedDataParallel):
+            if wrapped.static_graph:  # torch's reducer asserts (expect_autograd_hooks_) on a no_sync backward of step 1
+                raise ValueError(
+                    "DistributedDataParallel(static_graph=True) (a DDP wrap option) cannot skip the gradient sync of a "
+                    "micro-batch (gradient accumulation: torch's reducer fails on the first step); allowed: static_graph="
+                    "False, or no accumulation (gpu_batch_size_limit >= train_batch_size / world size, or None)"
+                )
             return wrapped.no_sync()
         return _NO_CONTEXT
 

@@ -1,5 +1,5 @@
 """``framework.integrations.transformers``: weights that ``from_pretrained`` loads (no missing or
-unexpected keys, identical logits) from sp and 2-rank fsdp, sharded as ``save_pretrained`` shards,
+unexpected keys, identical logits) from sp, 2-rank fsdp and ddp, and model-parallel 1x2, sharded as ``save_pretrained`` shards,
 and ``PretrainedModule`` (loss from ``outputs.loss``, the Trainer's no-decay groups). Tiny models
 built from configs: nothing is downloaded (``HF_HUB_OFFLINE=1``)."""
 
@@ -138,3 +138,80 @@ def test_validate_equals_the_transformers_trainers_evaluate_on_the_same_weights(
     theirs = hf.evaluate()
     assert ours["accuracy"] == pytest.approx(theirs["eval_accuracy"], abs=1e-6)
     assert ours["val_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-6)
+
+
+class TensorParallelLlama(PretrainedModule):
+    """A tiny Llama (``nn.Linear`` layers) with Megatron's MLP split over the tensor-parallel ranks."""
+
+    def tensor_parallel_plan(self) -> dict:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {}
+        for index in range(len(self.model.model.layers)):
+            mlp = f"model.model.layers.{index}.mlp"
+            plan.update({f"{mlp}.gate_proj": ColwiseParallel(), f"{mlp}.up_proj": ColwiseParallel()})
+            plan[f"{mlp}.down_proj"] = RowwiseParallel()
+        return plan
+
+
+def llama() -> TensorParallelLlama:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    data = [{"input_ids": row, "labels": row} for row in TOKENS]
+    return TensorParallelLlama(LlamaForCausalLM(config), data, data[:8], collate_fn=stack, learning_rate=3e-3)
+
+
+def model_parallel_ranks(rank: int, out: str) -> dict:
+    dist.init_process_group("gloo")
+    trainer = Trainer(llama(), toy_args(os.path.join(out, "mp"), backend="model-parallel", train_batch_size=8))
+    trainer.train()
+    split = trainer.module.model.model.layers[0].mlp.down_proj.weight
+    trainer.module.model.eval()
+    with torch.no_grad():  # the trained model itself, its MLP split over the two ranks
+        logits = trainer.module.model(input_ids=TOKENS[:4]).logits
+    directory = export_pretrained(trainer, os.path.join(out, "mp-hf"), max_shard_size="30KB")
+    state = trainer.backend.unsharded(trainer.module.model.state_dict())
+    trainer.close()
+    return {
+        "directory": directory,
+        "split": type(split).__name__,
+        "logits": logits,
+        "state": {key: value.detach().clone() for key, value in state.items()},
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_llama_trained_on_model_parallel_1x2_loads_with_from_pretrained(tmp_path):
+    """Kills: an export of one rank's shard (a DTensor's local half: shapes mismatch). The weights read
+    back compute what the split model computed (to rounding: a split matmul sums in another order)."""
+    from transformers import LlamaForCausalLM
+
+    results = run_ranks(model_parallel_ranks, timeout=400, out=str(tmp_path))
+    assert results[0]["split"] == "DTensor" and results[0]["directory"] == results[1]["directory"]
+    loaded, info = LlamaForCausalLM.from_pretrained(results[0]["directory"], output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
+    reference = llama().model
+    untrained = {key: value.clone() for key, value in reference.state_dict().items()}
+    reference.load_state_dict(results[0]["state"])
+    assert not torch.equal(reference.model.layers[0].mlp.down_proj.weight, untrained["model.layers.0.mlp.down_proj.weight"])
+    reference.eval()
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=TOKENS[:4]).logits, reference(input_ids=TOKENS[:4]).logits)
+        logits = loaded(input_ids=TOKENS[:4]).logits
+    assert torch.allclose(logits, results[0]["logits"], atol=1e-5, rtol=1e-5)
+    assert torch.equal(results[0]["logits"], results[1]["logits"])

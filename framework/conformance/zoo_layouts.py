@@ -94,3 +94,38 @@ class MetaBuilt(KitNet):
     def build(self) -> None:
         with torch.device("meta"):
             super().build()
+
+
+class Experts(torch.nn.Module):
+    """4 experts in an ``nn.ModuleDict`` and an output projection: each sample routed to one expert
+    by a feature's value (the rare experts get no sample on some rank in some steps: that rank
+    never calls them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleDict({str(index): torch.nn.Linear(WIDTH, WIDTH) for index in range(4)})
+
+        self.out = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        mixed = torch.zeros_like(h)
+        for index, expert in self.experts.items():
+            chosen = route == int(index)
+            if chosen.any():  # an expert no sample chose is not called at all
+                mixed = mixed.index_put((chosen,), expert(h[chosen]))
+        return self.out(h + mixed)
+
+
+@register_model("experts", targets=(("automatic", "fsdp"),), covered=False)
+class WithUnusedExperts(KitNet):
+    """A mixture-of-experts layer between the blocks (as torchtitan's MoE: the experts inside a
+    sharding unit): in some steps an expert's parameters are unused on one rank, used on the other."""
+
+    def build(self) -> None:
+        super().build()
+        self.blocks[1] = Experts()
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.blocks[0](x))
+        route = torch.bucketize(x[:, 0].float().contiguous(), torch.tensor([-1.0, 0.0, 1.0], device=x.device))
+        return torch.tanh(self.blocks[1](h, route))

@@ -1,6 +1,7 @@
 """Mutants of the layouts only some backends can break (issue 41): a tied embedding untied by the
 tensor-parallel split, ``Partial`` gradients measured once per tensor-parallel rank, rank 1's batch
-norm statistics checkpointed, meta-built layers drawn without the run's seed. One fault each; each
+norm statistics checkpointed, meta-built layers drawn without the run's seed, experts a rank did not
+use left out of its reduce-scatter. One fault each; each
 is killed only by the zoo shape made for it (``framework/conformance/zoo_layouts.py``, the 2-rank
 ``batchnorm`` resume), every other cell passes on it."""
 
@@ -74,3 +75,16 @@ _register("mutant-model-parallel-untied-embedding", UntiedEmbedding, (("automati
 _register("mutant-model-parallel-partial-per-rank", PartialCountedPerRank, (("clipping", "sequence-parallel", 2),), "clipping")
 _register("mutant-fsdp-saves-rank1-buffers", SavesRankOneBuffers, (("resume_kill9", "batchnorm", 2),), "state")
 _register("mutant-model-parallel-meta-ignores-seed", MetaIgnoresSeed, (("automatic", "meta", 2),), "broadcasts")
+
+
+class SkipsUnusedParameters(FSDP):
+    """Parameters a rank did not use in a step (an expert no sample chose) get no reduce-scatter there: collectives part."""
+
+    def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        wrapped = super().wrap_module(module)
+        if self.distributed and hasattr(wrapped, "set_reduce_scatter_unused_params"):
+            wrapped.set_reduce_scatter_unused_params(False)  # fault: FSDP2's default, unused parameters skipped
+        return wrapped
+
+
+_register("mutant-fsdp-skips-unused-parameters", SkipsUnusedParameters, (("automatic", "experts", 2),), "collectives")

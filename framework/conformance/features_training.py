@@ -9,13 +9,15 @@ from backends.strategies.units import module_units
 from framework.callbacks import EarlyStopping
 from framework.conformance.checks import Context, find_unused, make_args, make_trainer
 from framework.conformance.models import full_state
-from framework.conformance.registry import register_feature
+from framework.conformance.registry import MODELS, register_feature
 from framework.metrics.loss_tracker import TrainingDiverged
 
 
 def _trained(
     context: Context, model: str, name: str, options: Optional[Dict[str, Any]] = None, **overrides: Any
 ) -> Dict[str, Any]:
+    if MODELS[model].unused_parameters:  # ddp must be told (as a user must): the others find them alone
+        overrides = {**find_unused(context), **overrides}
     trainer = make_trainer(context, model, make_args(context, name, **overrides), **(options or {}))
     trainer.train()
     module: Any = trainer.module

@@ -78,6 +78,9 @@ class KitNet(ModuleInterface):
     ranks: Tuple[int, ...] = (1, 2)
     """World sizes on which this shape trains as ``sp`` does (a shape that computes per rank, such
     as batch norm's batch statistics, is compared on 1 rank only)."""
+    unused_parameters = False
+    """Whether some parameters go unused on a rank in some steps (``find_unused_parameters=True``
+    is then set where the backend takes it)."""
 
     def __init__(
         self,

@@ -121,6 +121,15 @@ class WithUnusedExperts(KitNet):
     """A mixture-of-experts layer between the blocks (as torchtitan's MoE: the experts inside a
     sharding unit): in some steps an expert's parameters are unused on one rank, used on the other."""
 
+    unused_parameters = True
+
+    def tensor_parallel_plan(self) -> Dict[str, Any]:
+        """The first block split by columns and gathered whole again; the experts stay whole."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        return {"blocks.0": ColwiseParallel(output_layouts=Replicate())}
+
     def build(self) -> None:
         super().build()
         self.blocks[1] = Experts()

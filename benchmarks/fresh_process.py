@@ -22,6 +22,9 @@ It also times ``import torch`` against ``import framework`` in fresh processes.
 
     python benchmarks/fresh_process.py [--repeats 5] [--epochs 1 2 4] [--runners raw quiet defaults fabric]
 
+``--runners ... defaults-no-plot`` adds the defaults with ``FRAMEWORK_PLOT_METRICS=0`` (not run unless
+named): what the background ``metrics.png`` drawing still costs ``train()`` and the whole process.
+
 Targets (issue 34, "the step at the raw loop's cost"): steady per step at most 1.03x the raw
 loop with extras off and 1.05x at the defaults; the 1024-step ``train()`` at most 1.05x; the
 per-step cost below Fabric's; ``import framework`` within 0.25 s of ``import torch``. The
@@ -44,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEERS = {"fabric": "lightning", "lightning": "lightning", "accelerate": "accelerate"}
 RUNNERS = ("raw", "quiet", "defaults", *PEERS)
+NO_PLOT = "defaults-no-plot"  # the defaults with FRAMEWORK_PLOT_METRICS=0: the plot's share (not run unless named)
 
 
 # -- the children: one training run each, in a fresh process ----------------------------------
@@ -60,7 +64,9 @@ def _child(name: str, epochs: int, output_dir: str, hidden: int = 64) -> Tuple[f
     _import_first_step_modules()
     if name == "raw":
         return _raw_loop(data, epochs, hidden)
-    if name in ("quiet", "defaults"):
+    if name == NO_PLOT:
+        os.environ["FRAMEWORK_PLOT_METRICS"] = "0"
+    if name in ("quiet", "defaults", NO_PLOT):
         from overhead import EPOCH_STARTS, TRAINING_END, framework_loop
 
         seconds = framework_loop(data, epochs, "sp", output_dir, quiet=name == "quiet", hidden=hidden)
@@ -281,9 +287,9 @@ def main() -> None:
     parser.add_argument(
         "--epochs", type=int, nargs="+", default=[1, 2, 4], help="run lengths (256 steps per epoch; one length: no slope)"
     )
-    parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=RUNNERS)
+    parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=(*RUNNERS, NO_PLOT))
     parser.add_argument("--hidden", type=int, default=64, help="MLP width (raw, quiet and defaults only)")
-    parser.add_argument("--child", choices=RUNNERS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=(*RUNNERS, NO_PLOT), help=argparse.SUPPRESS)
     options = parser.parse_args()
     if not options.child and max(options.epochs) < 2:
         parser.error(f"--epochs needs a run of 2 or more epochs (the steady part starts at the second), got {options.epochs}")

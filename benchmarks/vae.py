@@ -16,7 +16,8 @@ epoch counts given (what grows with the run), each as port / original.
 
 ``port-no-epoch-checkpoints`` (not run by default) is the port with ``checkpointer_args.period=0``:
 the share of the default per-epoch checkpoint in the difference; ``port-async-checkpoints`` writes
-them in the background (``async_save=True``).
+them in the background (``async_save=True``); ``port-no-plot`` leaves out ``metrics.png`` (drawn in the
+background at the defaults, joined before the process exits).
 
 Target (issue "Performance: the whole run"): the whole process at most 1.10x the original's.
 """
@@ -170,11 +171,17 @@ def port_async_checkpoints(epochs: int, output_dir: str) -> float:
     return port(epochs, output_dir, async_save=True)
 
 
+def port_no_plot(epochs: int, output_dir: str) -> float:
+    os.environ["FRAMEWORK_PLOT_METRICS"] = "0"  # the defaults less metrics.png: the plot's share
+    return port(epochs, output_dir)
+
+
 RUNNERS = {
     "original": original,
     "port": port,
     "port-no-epoch-checkpoints": port_no_epoch_checkpoints,
     "port-async-checkpoints": port_async_checkpoints,
+    "port-no-plot": port_no_plot,
 }
 
 

@@ -208,3 +208,25 @@ def test_the_process_waits_for_its_drawing_before_it_exits(tmp_path):
     result = subprocess.run([sys.executable, "-c", program, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "png at exit: True", result.stdout + result.stderr
+
+
+def test_matplotlib_is_imported_during_training_only_where_a_core_is_idle(tmp_path, monkeypatch):
+    """Kills: the drawing process importing matplotlib while the run trains on a machine with no idle
+    core (it would take CPU time from training); or never where one is idle (the exit pays for it)."""
+    import framework.metrics.background_plot as background
+
+    started = []
+    real = background.subprocess.Popen
+
+    def recording(arguments, **kwargs):
+        started.append(arguments[4:])
+        return real(arguments, **kwargs)
+
+    monkeypatch.setattr(background.subprocess, "Popen", recording)
+    write_run(tmp_path)
+    for load, expected in ((64.0, []), (0.0, ["prewarm"])):
+        monkeypatch.setattr(background.os, "getloadavg", lambda load=load: (load, load, load))
+        drawing = background.BackgroundPlot(str(tmp_path / "metrics.png"))
+        drawing.draw(str(tmp_path / "metrics.csv"))
+        assert drawing.wait(timeout=120) == str(tmp_path / "metrics.png")
+        assert started.pop() == expected

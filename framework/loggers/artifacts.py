@@ -13,9 +13,11 @@ def artifact_paths(output_dir: str) -> List[str]:
     csv_path = os.path.join(output_dir, "metrics.csv")
     if os.path.exists(csv_path):
         try:
+            from framework.metrics.background_plot import wait_for_plots
             from framework.metrics.plot import plot_metrics
 
-            paths.append(plot_metrics(csv_path))
+            drawn = wait_for_plots(os.path.join(output_dir, "metrics.png"))  # MetricsPlot's, in the background
+            paths.append(drawn[0] if drawn else plot_metrics(csv_path))
         except (ImportError, ValueError) as error:  # no matplotlib, or nothing to draw
             logger.debug("no metrics plot for the tracker: %s", error)
     return [path for path in paths if os.path.exists(path)]

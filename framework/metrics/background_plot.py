@@ -1,7 +1,7 @@
 """Draw ``metrics.png`` in a process of its own, off ``train()``'s critical path.
 
-The drawing process starts when training starts and imports matplotlib while the run trains
-(about 0.3 s of the 0.5 s a plot costs, on another core); when training ends, the trainer hands
+The drawing process starts when training starts and, where a core is idle, imports matplotlib
+while the run trains (about 0.3 s of the 0.5 s a plot costs, on that core); when training ends, the trainer hands
 it ``metrics.csv``'s text (so a next run may rewrite the file at once) and returns. A thread
 waits for the process and logs the outcome: ``metrics plot: PATH``, or a warning naming the
 error (never an exception in the run). Pending drawings are joined before the interpreter exits
@@ -24,7 +24,8 @@ logger = logging.getLogger("framework.callbacks.metrics_plot")
 PLOT_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py")
 
 # The drawing process: loads plot.py by path (no ``import framework``: torch stays out of it),
-# lowers its priority, imports matplotlib at once, then waits for one job: a length line, then that many bytes of JSON.
+# lowers its priority, imports matplotlib at once where told ("prewarm"), then waits for one job:
+# a length line, then that many bytes of JSON.
 # A length read from the pipe, not its end: a DataLoader worker forked meanwhile keeps the pipe open.
 WORKER = r"""
 import importlib.util, json, os, sys
@@ -35,10 +36,11 @@ except (AttributeError, OSError):
 spec = importlib.util.spec_from_file_location("_framework_metrics_plot", sys.argv[1])
 plot = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot)
-try:
-    import matplotlib.figure
-except ImportError:
-    pass
+if sys.argv[2:] == ["prewarm"]:
+    try:
+        import matplotlib.figure
+    except ImportError:
+        pass
 header = sys.stdin.buffer.readline().strip()
 if not header:
     sys.exit(0)
@@ -129,8 +131,9 @@ class BackgroundPlot:
                 _pending.pop(id(self), None)
 
     def _draw_in_process(self) -> None:
+        arguments = [sys.executable, "-c", WORKER, PLOT_MODULE] + (["prewarm"] if spare_core() else [])
         process = subprocess.Popen(
-            [sys.executable, "-c", WORKER, PLOT_MODULE],
+            arguments,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -162,6 +165,21 @@ class BackgroundPlot:
             return
         self.drawn = True
         logger.info("metrics plot: %s", self.output)
+
+
+def spare_core() -> bool:
+    """Whether a core is idle (the load average at least one below the core count): only then does
+    the drawing process import matplotlib while the run trains; else it waits for the metrics, so
+    that the import never takes CPU time from training (it then costs at exit instead).
+
+    Example:
+        >>> isinstance(spare_core(), bool)
+        True
+    """
+    try:
+        return (os.cpu_count() or 1) - os.getloadavg()[0] >= 1.0
+    except (AttributeError, OSError):  # no load average (Windows): do not compete
+        return False
 
 
 def wait_for_plots(output: Optional[str] = None, timeout: Optional[float] = None) -> List[str]:

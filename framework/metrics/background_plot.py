@@ -24,15 +24,12 @@ logger = logging.getLogger("framework.callbacks.metrics_plot")
 PLOT_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py")
 
 # The drawing process: loads plot.py by path (no ``import framework``: torch stays out of it),
-# lowers its priority, imports matplotlib at once where told ("prewarm"), then waits for one job:
+# imports matplotlib at once where told ("prewarm"), then waits for one job (at the priority of the
+# run: a lowered one would leave the exit waiting on a busy machine):
 # a length line, then that many bytes of JSON.
 # A length read from the pipe, not its end: a DataLoader worker forked meanwhile keeps the pipe open.
 WORKER = r"""
 import importlib.util, json, os, sys
-try:
-    os.nice(10)  # below the training processes: on a busy machine it waits, on an idle core it runs
-except (AttributeError, OSError):
-    pass
 spec = importlib.util.spec_from_file_location("_framework_metrics_plot", sys.argv[1])
 plot = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from framework.conformance.matrix import all_cells, quick_cells
+from framework.conformance.matrix import Cell, all_cells, quick_cells
 from framework.conformance.registry import FEATURES, MODELS
 from framework.conformance.runner import _renamed, conformance, format_table, import_plugin
 
@@ -51,7 +51,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("name a backend, or --mutants")
     features = _names(options.features) or (_renamed(_names(options.checks) or []) or None)
     models = _names(options.models)
-    cells = all_cells(features, models) if options.all else quick_cells(features, models)
+    if options.all:
+        cells: Optional[List[Cell]] = all_cells(features, models)
+    else:  # the default: the quick subset and (conformance's own default) the cells the shapes target on the backend
+        cells = quick_cells(features, models) if features or models else None
     rows = conformance(
         options.backend,
         imports=options.imports,

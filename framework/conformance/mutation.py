@@ -69,13 +69,16 @@ def control_of(mutant: str) -> str:
 
 def cells_of(mutant: Mutant, every: bool) -> List[Tuple[Cell, int]]:
     """The cells (and world sizes) a mutant runs: the ones it declares, or (``every``) the quick
-    set at the world sizes it declares."""
+    set at the world sizes it declares, and the ones it declares (a targeted shape's cell may be
+    outside the quick set)."""
+    declared = [((feature, model), ranks) for feature, model, ranks in mutant.kills]
     if not every:
-        return [((feature, model), ranks) for feature, model, ranks in mutant.kills]
+        return declared
     sizes = sorted({ranks for _, _, ranks in mutant.kills})
-    return [
+    quick = [
         (cell, ranks) for ranks in sizes for cell in quick_cells() if runs_at(*cell, ranks) and cell[0] != "world_size_change"
     ]
+    return quick + [entry for entry in declared if entry not in quick]
 
 
 def run_mutants(

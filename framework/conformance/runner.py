@@ -13,7 +13,7 @@ from backends import SingleProcess, TrainerBackend, available_backends, build_ba
 from backends.registry import _registry
 from framework.conformance.checks import Cell, Context, cell_key, run_cells
 from framework.conformance.compare import Row, judge
-from framework.conformance.matrix import known_seam, quick_cells, runs_at
+from framework.conformance.matrix import known_seam, quick_cells, runs_at, targeted_cells
 from framework.conformance.ranks import import_plugin, run_ranks
 from framework.conformance.registry import FEATURES
 
@@ -82,7 +82,8 @@ def conformance(
     reference_cache: Optional[ReferenceCache] = None,
     names: Optional[Sequence[str]] = None,
 ) -> List[Row]:
-    """Run ``cells`` (default: the quick subset) against ``backend``; return the table's rows.
+    """Run ``cells`` (default: the quick subset and the cells the shapes target on ``backend``)
+    against ``backend``; return the table's rows.
 
     ``names`` (deprecated: the old check names) selects features. ``world_sizes``: 1 runs in
     this process; more spawns the ranks (only for a multi-process backend). A cell that needs
@@ -90,7 +91,10 @@ def conformance(
     """
     for name in imports:
         import_plugin(name)
-    cells = list(cells) if cells is not None else quick_cells(_renamed(names) if names else None)
+    if cells is None:  # the quick subset, and the cells the targeted shapes add on this backend
+        quick = quick_cells(_renamed(names) if names else None)
+        cells = quick + ([cell for cell in targeted_cells(backend) if cell not in quick] if not names else [])
+    cells = list(cells)
     instance = build_backend(backend)
     declared = instance.declared_unsupported_features
     reference_name = reference_backend(backend)

@@ -83,7 +83,7 @@ class SkipsUnusedParameters(FSDP):
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         wrapped = super().wrap_module(module)
         if self.distributed and hasattr(wrapped, "set_reduce_scatter_unused_params"):
-            wrapped.set_reduce_scatter_unused_params(False)  # fault: FSDP2's default, unused parameters skipped
+            wrapped.set_reduce_scatter_unused_params(False)  # type: ignore[operator]  # fault: FSDP2's default, unused parameters skipped
         return wrapped
 
 

@@ -1,7 +1,8 @@
 """``backends/strategies/meta_init.py`` in one process: meta-built layers allocated and initialized from the
 run's seed, ``init_weights()`` preferred, layers built normally kept, a layer with no way to be
-initialized refused by name. The 2-rank cases (memory per rank, fsdp against sp) are in
-``test_fsdp_layouts.py``."""
+initialized refused by name; and on 2 gloo ranks under ``model-parallel`` (1x2 and 2x1): the plan and
+the sharding applied on meta, each rank's memory at start below the model's, the same training as the
+model built normally. The fsdp cases (memory per rank, fsdp against sp) are in ``test_fsdp_layouts.py``."""
 
 import pytest
 import torch

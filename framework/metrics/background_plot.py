@@ -165,7 +165,8 @@ class BackgroundPlot:
 
 
 def spare_core() -> bool:
-    """Whether a core is idle (the load average at least one below the core count): only then does
+    """Whether about a core is idle (the 1-minute load average at least half a core below the core
+    count; a run on one thread of a 2-core machine reads about 1.0-1.3): only then does
     the drawing process import matplotlib while the run trains; else it waits for the metrics, so
     that the import never takes CPU time from training (it then costs at exit instead).
 
@@ -174,7 +175,7 @@ def spare_core() -> bool:
         True
     """
     try:
-        return (os.cpu_count() or 1) - os.getloadavg()[0] >= 1.0
+        return (os.cpu_count() or 1) - os.getloadavg()[0] >= 0.5
     except (AttributeError, OSError):  # no load average (Windows): do not compete
         return False
 

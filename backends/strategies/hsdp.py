@@ -65,10 +65,10 @@ def hsdp_mesh(device_type: str, replicas: int, shard: int, tensor_parallel: Opti
     on every rank), with a trailing ``"tp"`` dimension of ``tensor_parallel`` ranks when given; then
     ``mesh["dp"]`` is the flattened data-parallel dimensions (rank ``r`` at ``r // tensor_parallel``).
 
-    Example:
-        >>> mesh = hsdp_mesh("cpu", 2, 2)  # doctest: +SKIP  (4 ranks)
-        >>> mesh.mesh_dim_names  # doctest: +SKIP
-        ('dp_replicate', 'dp_shard')
+    Example (on each of 4 ranks; tests/test_hsdp.py runs it)::
+
+        mesh = hsdp_mesh("cpu", 2, 2)
+        mesh.mesh_dim_names  # ('dp_replicate', 'dp_shard')
     """
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -104,7 +104,7 @@ def toy_args(
 ) -> TrainerArguments:
     """Arguments for a quiet, seeded test run that writes only under ``<directory>/run``.
 
-    Defaults: one epoch, seed 0, no progress bar, warnings only, and no checkpoints unless
+    Defaults: one epoch, seed 0, no progress bar, warnings only, no sanity validation, and no checkpoints unless
     ``checkpoints`` (or ``checkpointer_args``) is given. Any ``TrainerArguments`` field can be
     overridden. A test file with its own defaults binds them once, e.g.
     ``make_args = functools.partial(toy_args, epochs=2)``.
@@ -116,6 +116,7 @@ def toy_args(
         log_level="WARNING",
         output_dir=os.path.join(os.fspath(directory), "run"),
         checkpointer_args=checkpoints or DefaultCheckpointerArguments(period=0, save_at_end=False),
+        sanity_val_steps=0,  # tests count val_step calls; tests/test_sanity_check.py covers the check
     )
     values.update(overrides)
     return TrainerArguments(**values)

@@ -17,6 +17,7 @@ from framework.checkpoint.default import default_checkpointer
 from framework.data.rng import seed_everything
 from framework.data.train_loader import TrainLoader
 from framework.evaluation.loops import Evaluator
+from framework.evaluation.sanity_check import run_sanity_check, sanity_check_due
 from framework.evaluation.trainer_evaluation import TrainerEvaluation
 from framework.loggers import LoggerSet, build_loggers, run_status
 from framework.loop.hooks import HookDispatcher
@@ -187,8 +188,9 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
             self._setup_training()
             with self.preemption, self.launcher_watch:  # a signal, or the launcher's death, stops at a step boundary
                 self.hooks.call("on_begin_train", self.global_steps_finished)
-                if self.args.sanity_val_steps and self.global_steps_finished == 0:
-                    self._evaluate(Stage.VAL, max_batches=self.args.sanity_val_steps, record=False)
+                steps = self.args.sanity_val_steps  # a few val batches first; RNG restored, nothing recorded
+                if sanity_check_due(steps, self.args.fast_dev_run, self.global_steps_finished):
+                    run_sanity_check(lambda: self._evaluate(Stage.VAL, max_batches=steps, record=False), steps)
                 save_final = True
                 try:
                     while self.epochs_finished < self.args.epochs and not self._should_end_training():

@@ -71,8 +71,10 @@ class TrainerArguments(_CarriesRunConfig):
     """Validate after every N epochs (0: never at epoch ends)."""
     val_every_n_steps: Optional[int] = None
     """Also validate every N optimizer steps, mid-epoch."""
-    sanity_val_steps: int = 0
-    """Run this many batches of each validation loader before training starts."""
+    sanity_val_steps: int = 2
+    """Run this many batches of each validation loader before training starts (Lightning's
+    ``num_sanity_val_steps``), recording nothing and restoring the random state; 0 turns it off.
+    Only in a run that starts at step 0 (not on resume) and not under ``fast_dev_run``."""
     fast_dev_run: bool = False
     """One train and one validation batch through every hook; no checkpoints or files."""
     clip_grads: bool = False

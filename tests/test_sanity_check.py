@@ -91,3 +91,21 @@ def test_sanity_records_nothing_and_zero_turns_it_off(tmp_path):
     assert len(calls) == 2 and calls[0] > 0
     calls, _ = val_calls("fast", fast_dev_run=True)  # fast_dev_run validates one batch itself
     assert len(calls) == 1 and calls[0] > 0
+
+
+def test_a_resumed_run_skips_it(tmp_path):
+    # It validated before it was saved. Mutant: drop the global_steps_finished == 0 condition.
+    from framework.checkpoint import DefaultCheckpointerArguments
+
+    def run(epochs):
+        module, events = ToyModule(scheduler=None), Events()
+        calls = []
+        original = module.val_step
+        module.val_step = lambda *a: calls.append(len(events.seen)) or original(*a)
+        checkpoints = DefaultCheckpointerArguments(period=1, resume="auto")
+        Trainer(module, make_args(tmp_path, epochs=epochs, checkpoints=checkpoints), callbacks=[events]).train()
+        return calls
+
+    assert run(1)[:2] == [0, 0]  # fresh: the check runs first
+    resumed = run(2)
+    assert len(resumed) == 2 and resumed[0] > 0  # resumed: only epoch 2's validation, after its steps

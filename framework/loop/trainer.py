@@ -4,12 +4,13 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from backends import TrainerBackend, build_backend
 from backends.strategies.meta_init import move_module
+from framework import export
 from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer
@@ -46,7 +47,7 @@ from framework.run.run_lock import RunLocks
 logger = logging.getLogger("framework")
 
 
-class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
+class Trainer(TrainerSetup, TrainerCheckpoints):
     """Runs epochs of a :class:`ModuleInterface` on a :class:`TrainerBackend`.
 
     The loop in :meth:`_train_epoch` reads like a hand-written PyTorch loop: for each
@@ -139,11 +140,24 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         self._pending_rng = PendingRng()
         self._stream_ended = False  # a stream without a length ran out in this epoch
         self._restored = False
-        self._weights_loaded = False  # validate/test/predict loaded a checkpoint's weights
         self._micro_batch_found = False  # gpu_batch_size_limit="auto": searched, or read from a checkpoint
         self._run_lock: Optional[RunLocks] = None  # held by rank zero while train() runs
         self._compile_started: Optional[float] = None
         self.evaluator = Evaluator(module, self._runner, self.backend, self.hooks, args, self.recorder.record)
+        self.evaluation = TrainerEvaluation(  # validate, test, predict: outside training
+            module,
+            self.backend,
+            self.checkpointer,
+            args,
+            self.evaluator,
+            self._runner,
+            self.progress,
+            self.recorder,
+            self.callbacks,
+            self._prepare_callbacks,
+            self._evaluation_batch_size,
+            lambda: self._restored,
+        )
         module.attach(self, self._metrics)
         seed_everything(args.seed)
         try:  # rank and world size are known; nothing is built from the module yet
@@ -321,6 +335,80 @@ class Trainer(TrainerSetup, TrainerCheckpoints, TrainerEvaluation):
         if self.is_main_process and environment.requeues and environment.requeue():
             logger.warning("requeued the job: it continues from this checkpoint when it starts again")
         raise TrainingPreempted(signal_name, self.global_steps_finished)
+
+    # -- evaluation (framework/evaluation/trainer_evaluation.py) ------------------------
+    def validate(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
+        """Run the validation loaders once; return the recorded metrics.
+
+        ``checkpoint``: None evaluates the current weights; ``"last"``, ``"best"`` or a path
+        loads those weights first, the same file on every rank (see ``docs/evaluation.md``).
+        """
+        return self.evaluation.validate(checkpoint)
+
+    def test(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
+        """Run the test loaders once; return the recorded metrics (``checkpoint`` as in :meth:`validate`)."""
+        return self.evaluation.test(checkpoint)
+
+    def predict(self, checkpoint: Optional[str] = None, predictions_dir: Optional[str] = None) -> Any:
+        """Run ``predict_step`` on every sample of ``get_predict_dataloader`` once across ranks.
+
+        Rank zero returns the outputs in dataset order (the other ranks None); with
+        ``predictions_dir`` every rank writes its batches there as it goes and rank zero returns
+        the directory (read it with :func:`framework.evaluation.prediction.load_predictions`).
+        ``checkpoint`` as in :meth:`validate`. Collective under DDP: call it on every rank.
+        """
+        return self.evaluation.predict(checkpoint, predictions_dir)
+
+    def best_checkpoint(self) -> Optional[str]:
+        """URL of the best checkpoint by ``checkpointer_args.metric``, on every rank (collective under DDP)."""
+        return self.evaluation.best_checkpoint()
+
+    def load_checkpoint_weights(self, checkpoint: Optional[str], method: str) -> Optional[str]:
+        """Load the weights ``checkpoint`` names (None: keep the current ones; ``"best"``, ``"last"``,
+        a path) on every rank; the URL loaded. ``method`` names the caller in messages."""
+        return self.evaluation.load_checkpoint_weights(checkpoint, method)
+
+    def export_weights(self, path: str, checkpoint: Optional[str] = None, max_shard_size: Union[int, str, None] = None) -> str:
+        """Write the module's ``state_dict()`` as ``.safetensors`` (sharded above ``max_shard_size``,
+        e.g. ``"5GB"``) or ``.pt`` on rank zero; return where it went. ``checkpoint`` as in
+        :meth:`validate`; under fsdp the shards are gathered. Collective: call on every rank
+        (see ``docs/export.md``)."""
+        return export.export_weights(self, path, checkpoint, max_shard_size)
+
+    def export_pretrained(
+        self,
+        directory: str,
+        attribute: Optional[str] = None,
+        checkpoint: Optional[str] = None,
+        max_shard_size: Union[int, str, None] = "5GB",
+    ) -> str:
+        """Write the module's ``transformers`` model as ``save_pretrained`` does (its own keys,
+        ``config.json``, HF's shard names), so ``from_pretrained(directory)`` loads it; return
+        ``directory``. Collective: call on every rank (see ``docs/from-transformers.md``)."""
+        from framework.integrations.transformers import export_pretrained
+
+        return export_pretrained(self, directory, attribute, checkpoint, max_shard_size)
+
+    def export(
+        self, path: str, example_inputs: Tuple[Any, ...], format: str = "torch.export", checkpoint: Optional[str] = None
+    ) -> str:
+        """Export the module's ``forward`` for inference: ``"torch.export"`` (a ``.pt2`` program) or
+        ``"onnx"``, traced with ``example_inputs``, on rank zero; ``checkpoint`` as in :meth:`validate`.
+        Collective: call on every rank (see ``docs/export.md``)."""
+        return export.export_program(self, path, example_inputs, format, checkpoint)
+
+    def _evaluation_batch_size(self) -> int:
+        return self.args.val_batch_size or self.train_step_batch_size
+
+    def _evaluate(self, stage: Stage, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
+        """The loop's validation: recorded, then the schedulers that step after it (``record=False``: neither)."""
+        progress = self.progress
+        results = self.evaluator.run(stage, progress.global_steps_finished, self._evaluation_batch_size(), max_batches, record)
+        if record and stage is Stage.VAL:
+            progress.last_validated_step = progress.global_steps_finished
+            if self.automatic_optimization:
+                self.lr_schedules.step_after_validation(progress.global_steps_finished, self.history)
+        return results
 
     # -- metrics --------------------------------------------------------------------------
     def log_metrics(self, metrics: Dict[str, float]) -> None:

@@ -100,6 +100,9 @@ def make_args(context: Context, name: str, **overrides: Any) -> TrainerArguments
         ddp_timeout=120.0,
         output_dir=run_dir(context, name),
         checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
+        # No sanity validation: its evaluation runs on rank zero's buffers, which would hide a
+        # strategy that never synchronises the per-rank buffers the kit starts from.
+        sanity_val_steps=0,
     )
     values.update(overrides)
     return TrainerArguments(**values)

@@ -163,10 +163,11 @@ class PretrainedModule(ModuleInterface):
         collate_fn: turns a list of examples into a batch dict (e.g. ``DataCollatorWithPadding``).
         learning_rate, weight_decay, warmup_steps, adam_epsilon: as ``TrainingArguments`` names them.
 
-    Example:
-        >>> from transformers import BertConfig, BertForSequenceClassification  # doctest: +SKIP
-        >>> model = BertForSequenceClassification(BertConfig(num_labels=2))      # doctest: +SKIP
-        >>> module = PretrainedModule(model, train_dataset, eval_dataset, collate_fn=collator)  # doctest: +SKIP
+    Example (docs/from-transformers.md runs it whole; tests/test_transformers.py trains it)::
+
+        from transformers import BertConfig, BertForSequenceClassification
+        model = BertForSequenceClassification(BertConfig(num_labels=2))
+        module = PretrainedModule(model, train_dataset, eval_dataset, collate_fn=collator)
     """
 
     def __init__(

@@ -118,6 +118,17 @@ class StepParts:
             self.kept_outputs.append(map_tensors(outputs, torch.Tensor.detach))
         self.hooks.call("on_end_train_step", step, *outputs)
 
+    def update(self, cycle_length: int, seen: int) -> None:
+        """The end of an accumulation cycle of ``seen`` micro-batches: the mean over them when a
+        stream ended inside the cycle, then unscale, clip, step the optimizers and schedulers."""
+        if seen < cycle_length:
+            self.mean_over_seen(cycle_length, seen)
+        if self.unscale_gradients is not None:
+            self.unscale_gradients(self.optimizers)
+        if self.clips:
+            self.clip_gradients()
+        self.step_optimizers_and_schedules()
+
     def mean_over_seen(self, cycle_length: int, seen: int) -> None:
         """A stream ended inside the cycle: the gradients become the mean over the ``seen``
         micro-batches (each backward was divided by ``cycle_length``)."""

@@ -47,13 +47,7 @@ class TBPTTStep:
             seen += 1
         if not seen:
             return 0
-        if seen < cycle_length:
-            parts.mean_over_seen(cycle_length, seen)
-        if parts.unscale_gradients is not None:
-            parts.unscale_gradients(parts.optimizers)
-        if parts.clips:
-            parts.clip_gradients()
-        parts.step_optimizers_and_schedules()
+        parts.update(cycle_length, seen)
         return seen
 
     def chunk_by_chunk(self, step: int, batch: Any, cycle_length: int, sync: bool) -> Tuple[Any, ...]:

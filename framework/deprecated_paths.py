@@ -21,6 +21,9 @@ MOVED_MODULES.update(
         "framework.run_lock": "framework.run.run_lock",
         "framework.run_identity": "framework.run.run_identity",
         "framework.run_directory": "framework.run.run_directory",
+        "framework.loop.trainer_setup": "framework.loop.training_setup",
+        "framework.loop.trainer_checkpoints": "framework.loop.checkpoint_manager",
+        "framework.run.run_start": "framework.loop.run_start",
     }
 )
 

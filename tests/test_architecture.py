@@ -1,5 +1,6 @@
 """The house's shape: no import circle inside framework/ or backends/ (TYPE_CHECKING imports
-included), backends/ never imports framework/, backends/ is grouped by concern, no file over 450 lines."""
+included), backends/ never imports framework/, backends/ is grouped by concern, no file over 450 lines,
+the trainer composed of parts it holds (no mixins)."""
 
 import ast
 import os
@@ -106,3 +107,36 @@ def test_no_file_over_450_lines():
                     if lines > 450:
                         long[os.path.relpath(path, ROOT)] = lines
     assert long == {}
+
+
+TRAINER_PARTS = {  # the trainer's field -> the module of its class
+    "training_setup": "framework.loop.training_setup",
+    "checkpoint_manager": "framework.loop.checkpoint_manager",
+    "run_start": "framework.loop.run_start",
+    "run_claim": "framework.run.run_claim",
+    "evaluation": "framework.evaluation.trainer_evaluation",
+    "training_step": "framework.loop.training_step",
+}
+
+
+def test_the_trainer_holds_its_parts_and_inherits_none(tmp_path):
+    """``class Trainer`` has no base class sharing its state (no mixins); each part is a field whose
+    module does not import the trainer; the names callbacks read are the owning part's values."""
+    from toy import ToyModule, toy_args
+
+    from framework import Trainer, TrainerArguments
+
+    assert Trainer.__bases__ == (object,)
+    graph = imports_of("framework")
+    assert {part: "framework.loop.trainer" in graph[module] for part, module in TRAINER_PARTS.items()} == dict.fromkeys(
+        TRAINER_PARTS, False
+    )
+    trainer = Trainer(ToyModule(), toy_args(tmp_path, epochs=1))
+    assert isinstance(trainer.args, TrainerArguments)
+    for part, module in TRAINER_PARTS.items():
+        assert type(getattr(trainer, part)).__module__ == module, part
+    trainer.train()
+    assert trainer.optimizers is trainer.training_setup.optimizers and trainer.optimizers
+    assert trainer.run_id == trainer.checkpoint_manager.run_id is not None
+    with pytest.raises(AttributeError, match=r"Trainer\.optimizers is read-only: it belongs to Trainer\.training_setup"):
+        trainer.optimizers = []  # type: ignore[misc]

@@ -21,16 +21,18 @@ from framework.evaluation.loops import Evaluator
 from framework.evaluation.sanity_check import run_sanity_check, sanity_check_due
 from framework.evaluation.trainer_evaluation import TrainerEvaluation
 from framework.loggers import LoggerSet, build_loggers, run_status
+from framework.loop.checkpoint_manager import CheckpointManager
 from framework.loop.hooks import HookDispatcher
 from framework.loop.manual_optimization import ManualOptimization
+from framework.loop.owned_by import OwnedBy
+from framework.loop.run_start import RunStart
 from framework.loop.schedule_errors import explain_exhausted_schedule
 from framework.loop.schedulers import LRSchedules
 from framework.loop.stage import Stage
 from framework.loop.step_outputs import concatenate_outputs
 from framework.loop.stopping import StopConditions
-from framework.loop.trainer_checkpoints import TrainerCheckpoints
-from framework.loop.trainer_setup import TrainerSetup
-from framework.loop.training_state import PendingRng, TrainingProgress, accumulation_cycles
+from framework.loop.training_setup import TrainingSetup
+from framework.loop.training_state import TrainingProgress, accumulation_cycles
 from framework.loop.training_step import TrainingStep
 from framework.metrics.collector import MetricCollector, MetricHistory
 from framework.metrics.loss_tracker import LossTracker
@@ -42,12 +44,12 @@ from framework.run.config import config_callbacks, own_copy
 from framework.run.launcher_watch import LauncherWatch
 from framework.run.logging_setup import configure_logging
 from framework.run.preemption import PreemptionHandler, TrainingPreempted, parse_signals
-from framework.run.run_lock import RunLocks
+from framework.run.run_claim import RunClaim
 
 logger = logging.getLogger("framework")
 
 
-class Trainer(TrainerSetup, TrainerCheckpoints):
+class Trainer:
     """Runs epochs of a :class:`ModuleInterface` on a :class:`TrainerBackend`.
 
     The loop in :meth:`_train_epoch` reads like a hand-written PyTorch loop: for each
@@ -80,17 +82,12 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         checkpointer: Optional[AbstractCheckpointer] = None,
         callbacks: Sequence[Callback] = (),
     ) -> None:
-        if not isinstance(module, ModuleInterface):
-            raise TypeError(f"module must be a ModuleInterface, got {type(module).__name__}")
         args = args if args is not None else TrainerArguments()
-        if not isinstance(args, TrainerArguments):
-            raise TypeError(f"args must be TrainerArguments, got {type(args).__name__}")
+        checks.check_trainer_inputs(module, args, trainer_backend)
         if args.fast_dev_run:
             args = dataclasses.replace(args, epochs=1, min_epochs=0, max_train_steps_per_epoch=1, max_val_steps_per_epoch=1)
         else:
             args = own_copy(args)  # output_dir may move to version_<N>
-        if trainer_backend is not None and not isinstance(trainer_backend, TrainerBackend):
-            raise TypeError(f"trainer_backend must be a TrainerBackend, got {type(trainer_backend).__name__}")
         self.args = args
         self.module = module
         self.preemption = PreemptionHandler(parse_signals(args.preemption_signals))
@@ -102,11 +99,9 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         self.launcher_watch = LauncherWatch(self.preemption, environment.launcher, environment.parent_is_launcher)
         try:
             configure_logging(args.log_level, self.backend.is_main_process)
-            self.train_step_batch_size, self.gradient_accumulation = micro_batch_plan(
-                args.train_batch_size, self.backend.data_parallel_size, args.gpu_batch_size_limit
-            )
-            self.automatic_optimization = checks.check_optimization_mode(module, args, self.gradient_accumulation)
-            self.loggers = LoggerSet(build_loggers(args), active=self.backend.is_main_process and not args.fast_dev_run)
+            plan = micro_batch_plan(args.train_batch_size, self.backend.data_parallel_size, args.gpu_batch_size_limit)
+            self.automatic_optimization = checks.check_optimization_mode(module, args, plan[1])
+            loggers = LoggerSet(build_loggers(args), active=self.backend.is_main_process and not args.fast_dev_run)
         except Exception:
             self.backend.teardown()
             raise
@@ -121,43 +116,35 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         self.losses = LossTracker(self.device)
         self._metrics = MetricCollector()  # what module.log collects, on the device
         self.stopping = StopConditions(args, self.backend, self.preemption)
-        self.recorder = MetricRecorder(
-            args, self.backend, self.progress, self.history, self.loggers, self.hooks, self._metrics, self.losses
+        self.recorder = MetricRecorder(  # owns the loggers
+            args, self.backend, self.progress, self.history, loggers, self.hooks, self._metrics, self.losses
         )
         self.recorder.hidden_names = module.logger_off_names  # self.log(..., logger=False): history and hooks only
         self.training_step = TrainingStep(module, args, self.backend, self.hooks, self.progress, self.losses, self._metrics)
         self.training_step.explain_schedule_error = lambda error: explain_exhausted_schedule(error, self)
-        self.optimizers: List[torch.optim.Optimizer] = []
-        self.schedulers: List[Any] = []
-        self.lr_schedules = LRSchedules()  # the schedulers with when each steps (framework/loop/schedulers.py)
-        self.manual_optimization: Optional[ManualOptimization] = None
-        self.train_loader: Optional[TrainLoader] = None
-        self.wrapped_module: Optional[torch.nn.Module] = None
-        """The module as the strategy wraps it for training (DDP, FSDP), once training is set up."""
-        self.run_id: Optional[str] = None
-        """This run's id (in config.yaml and every checkpoint), known once training has set up."""
         self._runner = StepRunner(module)
-        self._pending_rng = PendingRng()
         self._stream_ended = False  # a stream without a length ran out in this epoch
-        self._restored = False
-        self._micro_batch_found = False  # gpu_batch_size_limit="auto": searched, or read from a checkpoint
-        self._run_lock: Optional[RunLocks] = None  # held by rank zero while train() runs
         self._compile_started: Optional[float] = None
+        self.training_setup = TrainingSetup(  # loader, wrapped module, optimizers, schedules, micro-batch plan
+            module, args, self.backend, self._runner, self.training_step, self.hooks, self.progress, self._metrics,
+            plan, self.automatic_optimization,
+        )  # fmt: skip
+        self.run_claim = RunClaim(  # version_<N>, the run's lock
+            args, self.checkpointer, self.backend, on_lost=lambda: self.preemption.request("the loss of the run lock")
+        )
+        self.checkpoint_manager = CheckpointManager(  # save, restore, state_dict
+            module, args, self.backend, self.checkpointer, self.training_setup, self.progress, self.stopping,
+            self.losses, self._metrics, self.history, self.recorder, self.callbacks, self.run_claim,
+        )  # fmt: skip
+        self.run_start = RunStart(  # what train() does before its first step
+            self, module, args, self.backend, self.checkpointer, self.callbacks, self.hooks, self.training_setup,
+            self.checkpoint_manager, self.run_claim, self.recorder, self.stopping,
+        )  # fmt: skip
         self.evaluator = Evaluator(module, self._runner, self.backend, self.hooks, args, self.recorder.record)
         self.evaluation = TrainerEvaluation(  # validate, test, predict: outside training
-            module,
-            self.backend,
-            self.checkpointer,
-            args,
-            self.evaluator,
-            self._runner,
-            self.progress,
-            self.recorder,
-            self.callbacks,
-            self._prepare_callbacks,
-            self._evaluation_batch_size,
-            lambda: self._restored,
-        )
+            module, self.backend, self.checkpointer, args, self.evaluator, self._runner, self.progress, self.recorder,
+            self.callbacks, self.run_start.prepare_callbacks, self._evaluation_batch_size, lambda: self.run_start.started,
+        )  # fmt: skip
         module.attach(self, self._metrics)
         seed_everything(args.seed)
         try:  # rank and world size are known; nothing is built from the module yet
@@ -169,7 +156,25 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         self.backend.check_module(module)  # e.g. model-parallel: a module without a tensor-parallel plan
         self.backend.convert_module(move_module(module, self.device))  # true bf16: cast before any step; meta stays
 
-    # -- properties ---------------------------------------------------------------------
+    # -- what callbacks and the module read; each value has one owner, a part of the trainer ------
+    device = OwnedBy[torch.device]("backend", "Where the module and batches live.")
+    is_main_process = OwnedBy[bool]("backend", "True on rank zero: the rank that prints and writes files.")
+    global_steps_finished = OwnedBy[int]("progress", "Optimizer steps finished (manual optimization: batches).")
+    epochs_finished = OwnedBy[int]("progress", "Epochs finished.")
+    epoch_resumed = OwnedBy[bool]("progress", "True while the current epoch is one a checkpoint resumed mid-way.")
+    batches_finished_in_epoch = OwnedBy[int]("progress", "Micro-batches of the current epoch this rank has consumed.")
+    run_id = OwnedBy[Optional[str]]("checkpoint_manager", "This run's id (config.yaml, checkpoints), once set up.")
+    loggers = OwnedBy[LoggerSet]("recorder", "The run's loggers (active on rank zero).")
+    # Once training is set up (train()), from configure_optimizers, get_train_dataloader and the strategy:
+    optimizers = OwnedBy[List[torch.optim.Optimizer]]("training_setup", "The module's optimizers.")
+    schedulers = OwnedBy[List[Any]]("training_setup", "The module's learning-rate schedulers.")
+    lr_schedules = OwnedBy[LRSchedules]("training_setup", "The schedulers with when each steps.")
+    manual_optimization = OwnedBy[Optional[ManualOptimization]]("training_setup", "What manual_backward goes through.")
+    train_loader = OwnedBy[Optional[TrainLoader]]("training_setup", "The train loader as the backend prepared it.")
+    wrapped_module = OwnedBy[Optional[torch.nn.Module]]("training_setup", "The module as the strategy wraps it (DDP, FSDP).")
+    train_step_batch_size = OwnedBy[int]("training_setup", "The micro-batch per process.")
+    gradient_accumulation = OwnedBy[int]("training_setup", "Micro-batches per optimizer step.")
+
     @property
     def should_stop(self) -> bool:
         """Set True (from a hook) to stop training after this step, once ``min_epochs`` are done."""
@@ -180,14 +185,16 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         self.stopping.should_stop = value
 
     @property
-    def epoch_resumed(self) -> bool:
-        """True while the current epoch is one a checkpoint resumed mid-way (False in a fresh epoch)."""
-        return self.progress.epoch_resumed
+    def checkpointing_enabled(self) -> bool:
+        """False under ``fast_dev_run``."""
+        return not self.args.fast_dev_run
 
     @property
-    def batches_finished_in_epoch(self) -> int:
-        """Micro-batches of the current epoch this rank has consumed."""
-        return self.progress.batches_finished_in_epoch
+    def estimated_global_steps_per_epoch(self) -> Optional[int]:
+        """Optimizer steps per epoch: exact when the train loader has a length, else None
+        (or ``max_train_steps_per_epoch`` when that is an int). A last, partial accumulation
+        cycle counts as a step."""
+        return self.training_setup.loader().steps_per_epoch
 
     # -- training -----------------------------------------------------------------------
     def train(self) -> MetricHistory:
@@ -199,7 +206,8 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             TrainingDiverged: the training loss became NaN/inf (``stop_on_nonfinite_loss``).
         """
         try:
-            self._setup_training()
+            self.run_start.run()
+            self._compile_started = time.perf_counter() if self.args.compile else None
             with self.preemption, self.launcher_watch:  # a signal, or the launcher's death, stops at a step boundary
                 self.hooks.call("on_begin_train", self.global_steps_finished)
                 steps = self.args.sanity_val_steps  # a few val batches first; RNG restored, nothing recorded
@@ -207,13 +215,14 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
                     run_sanity_check(lambda: self._evaluate(Stage.VAL, max_batches=steps, record=False), steps)
                 save_final = True
                 try:
-                    while self.epochs_finished < self.args.epochs and not self._should_end_training():
+                    while self.progress.epochs_finished < self.args.epochs and not self._should_end_training():
                         self._train_epoch()
                 except StopTraining as stop:
                     logger.info("training stopped: %s", stop)
                     save_final = stop.save_checkpoint
                 if self.stopping.preempted and not self.stopping.complete(self.epochs_finished, self.global_steps_finished):
-                    self._stop_for_preemption()
+                    self.run_claim.check()  # a stop asked for by a lost lock ends here, before any message of saving
+                    self.preemption.stop(self.global_steps_finished, self.backend, self.checkpoint_manager.save_and_wait)
                 self.hooks.call("on_end_train", self.global_steps_finished)
                 if save_final and self.checkpointing_enabled and self.checkpointer.saves_at_end():
                     self.save_checkpoint()
@@ -229,17 +238,16 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             raise
         finally:
             self.loggers.finish()
-            if self._run_lock is not None:
-                self._run_lock.release()
-                self._run_lock = None
+            self.run_claim.release()
         return self.history
 
     def _train_epoch(self) -> None:
         """One epoch: for each optimizer step, its micro-batches, the step, then what is due."""
         args, progress, checkpointing = self.args, self.progress, self.checkpointing_enabled
         run_step, stopping, hooks, checkpointer = self.training_step.run, self.stopping, self.hooks, self.checkpointer
+        setup = self.training_setup
         cycles = accumulation_cycles(
-            self._micro_batches_this_epoch(), self.gradient_accumulation, progress.batches_finished_in_epoch
+            setup.loader().micro_batches_per_epoch, setup.gradient_accumulation, progress.batches_finished_in_epoch
         )
         batches = self._start_epoch()
         self._stream_ended = False
@@ -271,17 +279,17 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
 
     def _start_epoch(self) -> Any:
         """Position the sampler (and the RNG) where the epoch continues; ``on_begin_train_epoch``."""
-        progress, loader = self.progress, self._create_train_loader()
-        loader.position.start_epoch(progress.epochs_finished, progress.batches_finished_in_epoch * self.train_step_batch_size)
+        progress, loader = self.progress, self.training_setup.loader()
+        loader.position.start_epoch(progress.epochs_finished, progress.batches_finished_in_epoch * loader.micro_batch_size)
         # Creating a DataLoader iterator draws a seed from the global RNG. A resumed run
         # restores the saved RNG where the saved run was: before that draw at an epoch
         # boundary, after it mid-epoch.
         if progress.batches_finished_in_epoch == 0:
-            self._pending_rng.apply()
+            self.checkpoint_manager.pending_rng.apply()
             self.losses.start_epoch()
         loader.seeding.start_epoch(progress.epochs_finished)  # before iter: seeds its workers
         batches = iter(loader.loader)
-        self._pending_rng.apply()
+        self.checkpoint_manager.pending_rng.apply()
         self.training_step.kept_outputs = []
         self.hooks.call("on_begin_train_epoch", progress.global_steps_finished, progress.epochs_finished)
         return batches
@@ -289,7 +297,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
     def _end_epoch(self) -> None:
         """Epoch metrics, epoch schedulers, validation and the epoch-end checkpoint."""
         progress = self.progress
-        planned = self._micro_batches_this_epoch()
+        planned = self.training_setup.loader().micro_batches_per_epoch
         epoch_completed = self._stream_ended if planned is None else progress.batches_finished_in_epoch >= planned
         if self.stopping.preempted or (not epoch_completed and self._should_end_training()):
             return  # stopped mid-epoch: the final checkpoint records the position
@@ -303,7 +311,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
             self._evaluate(Stage.VAL)
         if self.automatic_optimization:  # after the epoch's validation: ReduceLROnPlateau reads it
             validated = progress.last_validated_step == progress.global_steps_finished
-            self.lr_schedules.step_per_epoch(progress.epochs_finished, self.history, validated)
+            self.training_setup.lr_schedules.step_per_epoch(progress.epochs_finished, self.history, validated)
         self.recorder.log_epoch_summary()
         progress.finish_epoch()
         self.stopping.agree()
@@ -315,26 +323,38 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
     def _call_end_train_epoch(self) -> None:
         outputs = concatenate_outputs(self.training_step.kept_outputs)
         self.training_step.kept_outputs = []
-        self.hooks.call("on_end_train_epoch", self.global_steps_finished, *outputs)
+        self.hooks.call("on_end_train_epoch", self.progress.global_steps_finished, *outputs)
 
     def _should_end_training(self) -> bool:
-        return self.stopping.should_end(self.epochs_finished, self.global_steps_finished)
+        progress = self.progress
+        return self.stopping.should_end(progress.epochs_finished, progress.global_steps_finished)
 
-    def _stop_for_preemption(self) -> None:
-        """Save where training stopped, wait for the write, requeue the job where the scheduler
-        allows it (Slurm ``--requeue``), and leave with exit status 75."""
-        self._check_run_lock()  # a stop asked for by a lost lock ends here, before any message of saving
-        signal_name = self.preemption.signal_name or "a signal on another rank"
-        logger.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, self.global_steps_finished)
-        if self.checkpointing_enabled:
-            self.save_checkpoint()
-        self.checkpointer.wait()
-        self.preemption.expect_termination()  # a requeue ends every process of the job with SIGTERM
-        self.backend.barrier()  # every rank has saved before the job is requeued
-        environment = self.backend.cluster_environment
-        if self.is_main_process and environment.requeues and environment.requeue():
-            logger.warning("requeued the job: it continues from this checkpoint when it starts again")
-        raise TrainingPreempted(signal_name, self.global_steps_finished)
+    # -- checkpoints (framework/loop/checkpoint_manager.py) ------------------------------
+    def save_checkpoint(self, epoch: Optional[int] = None, force: bool = True) -> Optional[str]:
+        """Save module, trainer and backend state now (``force=False``: if the schedule, asked about
+        ``epoch`` epochs finished (default: now), says a save is due); where it went, or None.
+
+        Call it on every rank, at an optimizer-step boundary (e.g. from ``on_end_optimizer_step``)
+        for an exact resume. The checkpointer writes through the strategy (one file from rank zero,
+        or shards from every rank); every rank raises if the save failed on any rank.
+        """
+        return self.checkpoint_manager.save(epoch, force)
+
+    def save_model_checkpoint(self) -> Optional[str]:
+        """Write the module's full weights alone (for inference), on rank zero (call on every rank)."""
+        return self.checkpoint_manager.save_model()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Counters and the position in the epoch (the sampler is fast-forwarded to it), optimizers,
+        schedulers, callbacks, history, and per rank: RNG states, running losses, logged values,
+        the loader's or dataset's ``state_dict()``, and the module's ``get_state()`` entries other
+        than ``"model"`` (the user's own state, e.g. a replay buffer: each rank restores its own).
+        Collective under DDP (the per-rank part is gathered): call it on every rank."""
+        return self.checkpoint_manager.state_dict()
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (optimizers must exist: call inside train)."""
+        self.checkpoint_manager.load_state_dict(state)
 
     # -- evaluation (framework/evaluation/trainer_evaluation.py) ------------------------
     def validate(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
@@ -398,7 +418,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         return export.export_program(self, path, example_inputs, format, checkpoint)
 
     def _evaluation_batch_size(self) -> int:
-        return self.args.val_batch_size or self.train_step_batch_size
+        return self.args.val_batch_size or self.training_setup.train_step_batch_size
 
     def _evaluate(self, stage: Stage, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
         """The loop's validation: recorded, then the schedulers that step after it (``record=False``: neither)."""
@@ -407,7 +427,7 @@ class Trainer(TrainerSetup, TrainerCheckpoints):
         if record and stage is Stage.VAL:
             progress.last_validated_step = progress.global_steps_finished
             if self.automatic_optimization:
-                self.lr_schedules.step_after_validation(progress.global_steps_finished, self.history)
+                self.training_setup.lr_schedules.step_after_validation(progress.global_steps_finished, self.history)
         return results
 
     # -- metrics --------------------------------------------------------------------------

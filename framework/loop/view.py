@@ -32,14 +32,29 @@ class TrainerView(Protocol):
     checkpointer: AbstractCheckpointer
     history: MetricHistory
     callbacks: List[Any]
-    optimizers: List[torch.optim.Optimizer]
-    schedulers: List[Any]
     should_stop: bool
-    train_step_batch_size: int
-    gradient_accumulation: int
-    run_id: Optional[str]
-    manual_optimization: Optional[Any]  # with automatic_optimization = False, once training is set up
-    wrapped_module: Optional[torch.nn.Module]
+
+    # Read-only: each belongs to one of the trainer's parts (``trainer.training_setup``, ...).
+    @property
+    def optimizers(self) -> List[torch.optim.Optimizer]: ...
+
+    @property
+    def schedulers(self) -> List[Any]: ...
+
+    @property
+    def train_step_batch_size(self) -> int: ...
+
+    @property
+    def gradient_accumulation(self) -> int: ...
+
+    @property
+    def run_id(self) -> Optional[str]: ...
+
+    @property
+    def manual_optimization(self) -> Optional[Any]: ...  # with automatic_optimization = False, once set up
+
+    @property
+    def wrapped_module(self) -> Optional[torch.nn.Module]: ...
 
     @property
     def device(self) -> torch.device: ...

@@ -7,15 +7,14 @@ what is allowed. None of them runs per step: they run at setup, on the first ste
 import contextlib
 import inspect
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from backends import TrainerBackend
 from framework.loop.hooks import TrainingHooks
+from framework.module import ModuleInterface
 from framework.run.arguments import TrainerArguments
-
-if TYPE_CHECKING:
-    from framework.module import ModuleInterface
 
 logger = logging.getLogger("framework")
 
@@ -24,6 +23,16 @@ _OPTIMIZERS_SHAPE = "([optimizers], [schedulers]), e.g. ([optimizer], [scheduler
 
 class CheckpointMismatch(ValueError):
     """A checkpoint does not fit the run that resumes from it (names the file and how to proceed)."""
+
+
+def check_trainer_inputs(module: Any, args: Any, trainer_backend: Any) -> None:
+    """Refuse a ``Trainer`` module, arguments or backend instance of the wrong type, naming it."""
+    if not isinstance(module, ModuleInterface):
+        raise TypeError(f"module must be a ModuleInterface, got {type(module).__name__}")
+    if not isinstance(args, TrainerArguments):
+        raise TypeError(f"args must be TrainerArguments, got {type(args).__name__}")
+    if trainer_backend is not None and not isinstance(trainer_backend, TrainerBackend):
+        raise TypeError(f"trainer_backend must be a TrainerBackend, got {type(trainer_backend).__name__}")
 
 
 def check_optimizers_schedulers(returned: Any, method: str = "get_optimizers_schedulers") -> Tuple[List[Any], List[Any]]:

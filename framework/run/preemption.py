@@ -5,7 +5,10 @@ import os
 import signal
 import threading
 from types import FrameType
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from backends import TrainerBackend
 
 logger = logging.getLogger("framework")
 
@@ -105,6 +108,20 @@ class PreemptionHandler:
         if not self.requested:
             self.signal_name = reason
         self.requested = True
+
+    def stop(self, step: int, backend: "TrainerBackend", save: Callable[[], None]) -> NoReturn:
+        """Leave training at ``step`` after a stop request: ``save`` (it waits for the write), requeue
+        the job where the scheduler allows it (Slurm ``--requeue``), raise :class:`TrainingPreempted`
+        (exit status 75). Collective: every rank stops at the same step."""
+        signal_name = self.signal_name or "a signal on another rank"
+        logger.warning("%s received: saving a checkpoint at step %d and exiting", signal_name, step)
+        save()
+        self.expect_termination()  # a requeue ends every process of the job with SIGTERM
+        backend.barrier()  # every rank has saved before the job is requeued
+        environment = backend.cluster_environment
+        if backend.is_main_process and environment.requeues and environment.requeue():
+            logger.warning("requeued the job: it continues from this checkpoint when it starts again")
+        raise TrainingPreempted(signal_name, step)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self._signalled:  # the second signal: stop waiting for the step to finish

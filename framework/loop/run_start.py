@@ -1,0 +1,138 @@
+"""What :meth:`~framework.Trainer.train` does before its first step, in order, and the notes it logs then.
+
+:class:`RunStart` is a component the trainer holds as ``trainer.run_start``; it is given the parts
+it calls, and the trainer only as callbacks see it (:class:`~framework.loop.view.TrainerView`).
+"""
+
+import logging
+import os
+from typing import Any, List, cast
+
+from backends import TrainerBackend
+from backends.environments import LocalEnvironment
+from framework.callbacks.base import Callback
+from framework.checkpoint.abstract import AbstractCheckpointer
+from framework.loggers import LoggerSet, build_loggers
+from framework.loop.checkpoint_manager import CheckpointManager
+from framework.loop.hooks import HookDispatcher
+from framework.loop.stopping import StopConditions
+from framework.loop.training_setup import TrainingSetup
+from framework.loop.view import TrainerView
+from framework.metrics.recorder import MetricRecorder
+from framework.module import ModuleInterface
+from framework.run import checks
+from framework.run.arguments import TrainerArguments
+from framework.run.config import resolved_config
+from framework.run.finished_run import changed_settings, log_nothing_to_do
+from framework.run.run_claim import RunClaim
+
+logger = logging.getLogger("framework")
+
+
+class RunStart:
+    """Sets a run up before its first step (``trainer.run_start``); :meth:`run` is the sequence.
+
+    Args:
+        trainer: handed to the callbacks, and read for the start notes.
+        module, args, backend, checkpointer, callbacks, hooks: the trainer's own.
+        setup: builds what the step runs on, and searches the micro-batch.
+        checkpoint_manager: restores the checkpoint the checkpointer finds.
+        run_claim: the run's directories: ``version_<N>``, the lock, the check before writing.
+        recorder: starts the loggers (it owns them: they move with ``output_dir``).
+        stopping: its clock starts here; a resumed run that is already complete says so.
+
+    Example:
+        trainer.run_start.run()        # what train() calls first
+        trainer.run_start.started      # True once a train() call has set the run up (and restored)
+    """
+
+    def __init__(
+        self,
+        trainer: TrainerView,
+        module: ModuleInterface,
+        args: TrainerArguments,
+        backend: TrainerBackend,
+        checkpointer: AbstractCheckpointer,
+        callbacks: List[Callback],
+        hooks: HookDispatcher,
+        setup: TrainingSetup,
+        checkpoint_manager: CheckpointManager,
+        run_claim: RunClaim,
+        recorder: MetricRecorder,
+        stopping: StopConditions,
+    ) -> None:
+        self.trainer, self.module, self.args, self.backend = trainer, module, args, backend
+        self.checkpointer, self.callbacks, self.hooks, self.setup = checkpointer, callbacks, hooks, setup
+        self.checkpoint_manager, self.run_claim, self.recorder, self.stopping = checkpoint_manager, run_claim, recorder, stopping
+        self.started = False
+
+    def run(self) -> None:
+        """Claim the directories and build (each call); restore and search (the first call only);
+        then start the loggers, write ``config.yaml`` and start the clock."""
+        args, first_start = self.args, not self.started
+        if not args.fast_dev_run:  # another run's output_dir: train in version_<N>; a second live run stops here
+            if first_start and self.run_claim.move_if_taken():
+                self.recorder.loggers = LoggerSet(build_loggers(cast(Any, args)), active=self.recorder.loggers.active)
+            self.run_claim.lock()  # a lock taken over by another run stops this one at its next step
+        self.setup.build()  # loader, wrapped module, optimizers, the step
+        self.prepare_callbacks()
+        if first_start:
+            self.started = True
+            log_run_start(self.trainer)  # checkpoint retention; ddp as one process
+            if not args.fast_dev_run:
+                self.setup.warn_if_not_resumable()
+                self.run_claim.claim_directory()  # before anything is written: never overwrite another run's files
+            self.checkpoint_manager.restore()  # sets run_id: the resumed run's, or a new one
+            self.setup.search_micro_batch()  # gpu_batch_size_limit="auto", unless the checkpoint gave it
+        self.recorder.start_loggers()
+        if self.backend.is_main_process and not args.fast_dev_run:
+            self._write_config()
+        self.stopping.start_clock()
+        self.module.train()
+
+    def _write_config(self) -> None:
+        """``config.yaml``, with the run's id; first, when the loaded checkpoint already finished the
+        run, say so (and which settings changed since)."""
+        args, steps, epochs = self.args, self.trainer.global_steps_finished, self.trainer.epochs_finished
+        path, config = os.path.join(args.output_dir, "config.yaml"), resolved_config(args)
+        if self.checkpointer.loaded_from is not None and self.stopping.complete(epochs, steps):
+            log_nothing_to_do(steps, epochs, changed_settings(path, config.to_dict()))  # before config.yaml is rewritten
+        config.save(path, run_id=self.checkpoint_manager.run_id)
+
+    def prepare_callbacks(self) -> None:
+        """Hand each callback the trainer; look hooks up afresh (callbacks may have changed)."""
+        for callback in self.callbacks:
+            callback.setup(self.trainer)
+        checks.check_hook_signatures(self.module, *self.callbacks)
+        self.hooks.refresh()
+
+
+def run_start_notes(trainer: TrainerView) -> List[str]:
+    """The lines :func:`log_run_start` writes (every rank computes them; nothing collective).
+
+    - what the checkpointer writes and keeps (``AbstractCheckpointer.describe``), unless
+      checkpointing is off (``fast_dev_run``);
+    - that a multi-process backend (``ddp``...) runs as one process, when it was started
+      without a launcher or with a world size of 1.
+    """
+    notes = []
+    if trainer.checkpointing_enabled:
+        description = trainer.checkpointer.describe()
+        if description:
+            notes.append(description)
+    if trainer.backend.multi_process and trainer.backend.world_size == 1:
+        environment = trainer.backend.cluster_environment
+        how = (
+            "not launched by torchrun/srun"
+            if isinstance(environment, LocalEnvironment)
+            else f"{environment.launcher} started a world size of 1"
+        )
+        notes.append(f"{trainer.args.backend} backend with one process ({how}): training as a single process")
+    return notes
+
+
+def log_run_start(trainer: TrainerView) -> None:
+    """Log :func:`run_start_notes` at INFO on rank zero."""
+    if trainer.is_main_process:
+        for note in run_start_notes(trainer):
+            logger.info("%s", note)

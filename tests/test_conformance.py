@@ -7,6 +7,7 @@ design (seed 0) over (feature, model, backend). One reference cache serves the w
 multi-process backend runs all its cells in one 2-rank process group.
 """
 
+import importlib
 import os
 import subprocess
 import sys
@@ -108,6 +109,27 @@ def test_built_in_backends_pass_their_cells_of_the_matrix(backend, reference_cac
     assert all(row.ok for row in rows), table
     fixed = [row.check for row in rows if row.result == "FIXED"]
     assert not fixed, f"known seams that pass now (remove them from KNOWN_SEAMS): {fixed}\n{table}"
+
+
+def test_a_plugin_module_named_like_the_package_is_third_party(tmp_path, monkeypatch):
+    """Only ``backends`` and ``backends.*`` are built-in: a plugin in a module ``backends_x`` is not."""
+    (tmp_path / "backends_x.py").write_text(
+        "from backends import SingleProcess, TrainerBackend, register_backend\n\n\n"
+        "@register_backend('sp-from-backends-x')\n"
+        "def sp_from_backends_x(args):\n"
+        "    return TrainerBackend(SingleProcess.from_arguments(args))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "backends_x", raising=False)
+    try:
+        module = importlib.import_module("backends_x")
+        assert module.sp_from_backends_x.__module__ == "backends_x"
+        assert "sp-from-backends-x" in available_backends()
+        assert "sp-from-backends-x" not in built_in_backends()
+        assert "sp" in built_in_backends()  # the package's own still count
+    finally:
+        unregister_backend("sp-from-backends-x")
+        sys.modules.pop("backends_x", None)
 
 
 def test_every_known_seam_names_its_issue():

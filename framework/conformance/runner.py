@@ -26,8 +26,17 @@ _ONE_CPU_PROCESS = SimpleNamespace(use_gpu=False, cluster="local")
 
 
 def built_in_backends() -> List[str]:
-    """Backends registered by the ``backends`` package itself (plugins and tests' own excluded)."""
-    return [name for name in available_backends() if getattr(_registry[name], "__module__", "").startswith("backends")]
+    """Backends registered by the ``backends`` package itself (plugins and tests' own excluded).
+
+    Only the package and its submodules count (``backends``, ``backends.*``): a plugin module
+    whose name merely starts with the word (``backends_x``) is third-party.
+    """
+    return [name for name in available_backends() if _is_built_in(getattr(_registry[name], "__module__", None) or "")]
+
+
+def _is_built_in(module: str) -> bool:
+    """True for the ``backends`` package and its submodules, not for ``backends_x`` or ``backendsfoo``."""
+    return module == "backends" or module.startswith("backends.")
 
 
 def reference_backend(backend: str) -> str:

@@ -166,7 +166,7 @@ def vae_part(epochs: int) -> None:
     stats = pstats.Stats(profiler)
     pattern = (
         r"(_train_epoch|_train_step|_end_epoch|_evaluate|save_checkpoint|default.py:\d+\(save|default.py:\d+\(serialize|"
-        r"_write_atomically|_fsync_directory|_non_finite|_apply_retention|_current_checkpoint|capture_rng_state|"
+        r"_write_atomically|_fsync_directory|_non_finite|_apply_retention|checkpoint_manager.py:\d+\(current|capture_rng_state|"
         r"_end_train_epoch|_log_epoch_summary|reduce_metrics|_record|dataloader.py:\d+\(__iter__|\(fsync)\)"
     )
     function_table(stats, pattern, 25, per=epochs)

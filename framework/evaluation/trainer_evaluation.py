@@ -57,8 +57,7 @@ class TrainerEvaluation:
         self.weights_loaded = False  # validate/test/predict loaded a checkpoint's weights
 
     def load_checkpoint_weights(self, checkpoint: Optional[str], method: str) -> Optional[str]:
-        """Load the weights ``checkpoint`` names (None: keep the current ones; ``"best"``, ``"last"``,
-        a path) on every rank; the URL loaded. ``method`` names the caller in messages."""
+        """What :meth:`framework.Trainer.load_checkpoint_weights` runs."""
         known = bool(self.progress.global_steps_finished) or self.resumed() or self.weights_loaded
         if checkpoint is not None:
             self.prepare_callbacks()  # a weight average exists to receive the checkpoint's
@@ -67,31 +66,21 @@ class TrainerEvaluation:
         return url
 
     def validate(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
-        """Run the validation loaders once; return the recorded metrics.
-
-        ``checkpoint``: None evaluates the current weights; ``"last"``, ``"best"`` or a path
-        loads those weights first, the same file on every rank (see ``docs/evaluation.md``).
-        """
+        """What :meth:`framework.Trainer.validate` runs."""
         return self.evaluate(Stage.VAL, checkpoint)
 
     def test(self, checkpoint: Optional[str] = None) -> Dict[str, float]:
-        """Run the test loaders once; return the recorded metrics (``checkpoint`` as in :meth:`validate`)."""
+        """What :meth:`framework.Trainer.test` runs."""
         return self.evaluate(Stage.TEST, checkpoint)
 
     def predict(self, checkpoint: Optional[str] = None, predictions_dir: Optional[str] = None) -> Any:
-        """Run ``predict_step`` on every sample of ``get_predict_dataloader`` once across ranks.
-
-        Rank zero returns the outputs in dataset order (the other ranks None); with
-        ``predictions_dir`` every rank writes its batches there as it goes and rank zero returns
-        the directory (read it with :func:`framework.evaluation.prediction.load_predictions`).
-        ``checkpoint`` as in :meth:`validate`. Collective under DDP: call it on every rank.
-        """
+        """What :meth:`framework.Trainer.predict` runs."""
         self.load_checkpoint_weights(checkpoint, "predict")
         predictor = Predictor(self.module, self.backend, self.args, self.runner)
         return predictor.run(self.progress.global_steps_finished, self.batch_size(), predictions_dir)
 
     def best_checkpoint(self) -> Optional[str]:
-        """URL of the best checkpoint by ``checkpointer_args.metric``, on every rank (collective under DDP)."""
+        """What :meth:`framework.Trainer.best_checkpoint` runs."""
         return best_checkpoint_url(self.checkpointer, self.backend)
 
     def evaluate(self, stage: Stage, checkpoint: Optional[str] = None) -> Dict[str, float]:

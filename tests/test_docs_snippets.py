@@ -6,8 +6,12 @@ block, on files a previous run left behind, or on names defined in the test. A b
 is deliberately not runnable is written with another fence (```text, ```bash, ...) and, when it
 looks like Python, says so on its first line (``# a fragment ...`` or ``# pseudo-code ...``).
 A number in a ``print(...)  # 0.9259 on torch ...`` comment is what the block prints.
+
+The blocks are single-process programs each alone in its directory, so the selected ones run two
+at a time (the test process only waits on them): each test still checks its own block's result.
 """
 
+import concurrent.futures
 import glob
 import os
 import re
@@ -40,14 +44,36 @@ def test_the_pages_have_python_blocks():
     assert len(BLOCKS) >= 10  # the README's module, getting started, callbacks, metrics, ...
 
 
-@pytest.mark.parametrize("code", BLOCKS)
-def test_block_runs_standalone(code, tmp_path):
-    script = tmp_path / "snippet.py"
+def _run_block(code, directory):
+    script = directory / "snippet.py"
     script.write_text(code)
     environment = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
+    return subprocess.run(
+        [sys.executable, str(script)], cwd=directory, env=environment, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.fixture(scope="module")
+def block_results(request, tmp_path_factory):
+    """The selected blocks started two at a time, each in its own process and directory: test id -> future."""
+    selected = [
+        item
+        for item in request.session.items
+        if item.parent is request.node and item.originalname == "test_block_runs_standalone"
+    ]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            item.callspec.id: pool.submit(_run_block, item.callspec.params["code"], tmp_path_factory.mktemp("block"))
+            for item in selected
+        }
+        yield futures
+        for future in futures.values():
+            future.cancel()
+
+
+@pytest.mark.parametrize("code", BLOCKS)
+def test_block_runs_standalone(code, block_results, request):
+    result = block_results[request.node.callspec.id].result()
     assert result.returncode == 0, f"the block failed:\n{code}\n--- stderr ---\n{result.stderr[-3000:]}"
     for number in _PRINTED.findall(code):  # the figure the page shows is the one printed
         assert number in result.stdout, f"the page says {number}, the block printed:\n{result.stdout}"

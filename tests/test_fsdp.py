@@ -1,8 +1,8 @@
 """The ``fsdp`` backend (FSDP2) on 2 real gloo ranks: parity with ``ddp``, sharded state,
 sharded checkpoints that resume on another world size, full-weight exports, and compile.
 
-One 2-rank run (``two_rank_scenarios``) trains every 2-rank scenario in the same process
-group; single-rank runs happen in the test process.
+One 2-rank run (``two_rank_scenarios``) trains every 2-rank scenario (mixed precision and tied
+blocks included) in the same process group; single-rank runs happen in the test process.
 """
 
 import logging
@@ -96,6 +96,8 @@ def two_rank_scenarios(rank: int, out: str, one_rank_dir: str) -> dict:
     grown.train()  # resumes the 1-rank checkpoint on 2 ranks
     results["grown"] = full_weights(grown)
     results["grown_step"] = grown.global_steps_finished
+    results.update(mixed_precision_runs(os.path.join(out, "amp")))
+    results["tied"] = paired_runs(os.path.join(out, "tied"), net="tied", backends=("ddp", "fsdp"))
     dist.destroy_process_group()
     return results
 
@@ -225,8 +227,8 @@ def test_compile_matches_eager(tmp_path):
     assert sum("torch.compile: first training step" in message for message in messages) == 1
 
 
-def mixed_precision_ranks(rank: int, out: str) -> dict:
-    dist.init_process_group("gloo")
+def mixed_precision_runs(out: str) -> dict:
+    """``ddp-amp`` and ``fsdp-amp`` in the current process group: full weights, losses, parameter dtypes."""
     results = {}
     for backend in ("ddp-amp", "fsdp-amp"):
         trainer = Trainer(TinyTransformer(), arguments(backend, os.path.join(out, backend)))
@@ -234,7 +236,6 @@ def mixed_precision_ranks(rank: int, out: str) -> dict:
         results[backend] = full_weights(trainer)
         results[f"{backend} losses"] = trainer.history.values("train_loss")
         results[f"{backend} dtypes"] = sorted({str(p.dtype) for p in trainer.module.parameters()})
-    dist.destroy_process_group()
     return results
 
 
@@ -281,10 +282,9 @@ class ToyWithNet(ToyModule):
         self.net = NETS[net]()
 
 
-def paired_ranks(rank: int, out: str, net: str, backends: tuple) -> dict:
-    """Train ``ToyWithNet(net)`` with each backend in one process group: full weights, losses,
+def paired_runs(out: str, net: str, backends: tuple) -> dict:
+    """Train ``ToyWithNet(net)`` with each backend in the current process group: full weights, losses,
     and whether every tied parameter is still one parameter."""
-    dist.init_process_group("gloo")
     results = {}
     for backend in backends:
         trainer = Trainer(ToyWithNet(net), arguments(backend, os.path.join(out, backend)))
@@ -293,21 +293,21 @@ def paired_ranks(rank: int, out: str, net: str, backends: tuple) -> dict:
         results[f"{backend} losses"] = trainer.history.values("train_loss")
         names = list(trainer.module.named_parameters(remove_duplicate=False))
         results[f"{backend} parameters"] = (len(list(trainer.module.parameters())), len(names))
-    dist.destroy_process_group()
     return results
 
 
 @pytest.mark.distributed
-def test_fsdp_shards_blocks_with_tied_weights_together_and_matches_ddp(tmp_path):
+def test_fsdp_shards_blocks_with_tied_weights_together_and_matches_ddp(runs):
     """FSDP2 refused the model ("shared with a parameter already managed by another FSDP group");
     units sharing a parameter are now one group."""
-    for results in run_ranks(paired_ranks, out=str(tmp_path), net="tied", backends=("ddp", "fsdp")):
+    for results in (rank["tied"] for rank in runs[1]):
         assert results["fsdp parameters"] == results["ddp parameters"] == (7, 8)  # 8 names, 7 parameters: still tied
         assert max_difference(results["ddp"], results["fsdp"]) < 1e-5
 
 
-def test_fsdp_amp_trains_in_bf16_with_fp32_master_weights_close_to_ddp_amp(tmp_path):
-    results = run_ranks(mixed_precision_ranks, out=str(tmp_path))[0]
+@pytest.mark.distributed
+def test_fsdp_amp_trains_in_bf16_with_fp32_master_weights_close_to_ddp_amp(runs):
+    results = runs[1][0]
     assert results["fsdp-amp dtypes"] == ["torch.float32"]  # the sharded master weights stay fp32
     assert all(math.isfinite(loss) for loss in results["fsdp-amp losses"])
     assert results["fsdp-amp losses"][-1] < results["fsdp-amp losses"][0]

@@ -79,6 +79,7 @@ def assert_trained_like(out, output, reference):
     assert files_written(out) == files_written(reference)  # one metrics.csv, one set of checkpoints
 
 
+@pytest.mark.slow  # a torchrun reference run and 2 srun tasks: > 10 s; the sbatch recipe (srun inside) stays quick
 def test_srun_two_tasks_train_like_torchrun(slurm_cluster, torchrun_reference, tmp_path):  # noqa: F811
     out = str(tmp_path / "srun")
     command = ["srun", "--ntasks=2", sys.executable, EXAMPLE, "--backend", "ddp", "--trainer.output_dir", out, *SHORT]

@@ -120,6 +120,7 @@ def _two_ranks_train(rank: int, out: str):
     return results
 
 
+@pytest.mark.distributed
 def test_ddp_warns_when_the_train_loader_ignores_the_sampler_or_the_batch_size(tmp_path):
     rank0, rank1 = run_ranks(_two_ranks_train, out=str(tmp_path))
     correct, ignoring = rank0

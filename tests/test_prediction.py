@@ -175,6 +175,7 @@ def _evaluation_rank(rank, out):
     )
 
 
+@pytest.mark.distributed
 def test_two_ranks_predict_once_in_order_and_load_the_same_checkpoint(tmp_path):
     rank0, rank1 = run_ranks(_evaluation_rank, out=str(tmp_path))
     assert rank0["best"] is not None and rank1["best"] == rank0["best"]  # rank 1 knows it too

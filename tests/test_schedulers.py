@@ -99,6 +99,7 @@ def _scheduled_rank(rank, out):
     return recorder.lrs, flat_parameters(module)
 
 
+@pytest.mark.distributed
 def test_scheduler_dicts_step_as_a_hand_written_loop_on_two_ranks(tmp_path):
     reference = Scheduled()
     expected = hand_written(reference, seed=3)

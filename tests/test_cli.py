@@ -1,5 +1,6 @@
 """Config mistakes on a real command line end with argparse's ``error: <message>`` and status 2, no traceback."""
 
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -17,6 +18,26 @@ BACKENDS = ", ".join(available_backends())  # the built-in ones: the example reg
 def run(arguments, cwd):
     environment = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, *arguments], cwd=cwd, env=environment, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def example_runs(request, tmp_path_factory):
+    """The selected ``examples/run.py`` argument lists started two at a time, each in its own process and
+    directory (each stops at its first mistake): test id -> future."""
+    selected = [
+        item
+        for item in request.session.items
+        if item.parent is request.node and item.originalname == "test_the_example_reports_config_errors_like_argparse"
+    ]
+    example = os.path.join(ROOT, "examples", "run.py")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            item.callspec.id: pool.submit(run, [example, *item.callspec.params["argv"]], tmp_path_factory.mktemp("cli"))
+            for item in selected
+        }
+        yield futures
+        for future in futures.values():
+            future.cancel()
 
 
 @pytest.mark.parametrize(
@@ -42,8 +63,8 @@ def run(arguments, cwd):
         ),
     ],
 )
-def test_the_example_reports_config_errors_like_argparse(tmp_path, argv, message):
-    result = run([os.path.join(ROOT, "examples", "run.py"), *argv], cwd=tmp_path)
+def test_the_example_reports_config_errors_like_argparse(argv, message, example_runs, request):
+    result = example_runs[request.node.callspec.id].result()
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "usage: examples/run.py [--config FILE.yaml] [--SECTION.FIELD VALUE ...] [--backend NAME]  (--help lists every field)",

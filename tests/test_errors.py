@@ -88,6 +88,11 @@ def test_module_type_checked():
         Trainer(torch.nn.Linear(2, 2))
 
 
+def test_arguments_type_checked():
+    with pytest.raises(TypeError, match="args must be TrainerArguments, got dict"):
+        Trainer(ToyModule(), {"epochs": 1})
+
+
 def test_optimizers_required(tmp_path):
     class NoOptimizer(ToyModule):
         def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):

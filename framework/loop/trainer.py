@@ -100,7 +100,7 @@ class Trainer:
         try:
             configure_logging(args.log_level, self.backend.is_main_process)
             plan = micro_batch_plan(args.train_batch_size, self.backend.data_parallel_size, args.gpu_batch_size_limit)
-            self.automatic_optimization = checks.check_optimization_mode(module, args, plan[1])
+            automatic = checks.check_optimization_mode(module, args, plan[1])
             loggers = LoggerSet(build_loggers(args), active=self.backend.is_main_process and not args.fast_dev_run)
         except Exception:
             self.backend.teardown()
@@ -127,7 +127,7 @@ class Trainer:
         self._compile_started: Optional[float] = None
         self.training_setup = TrainingSetup(  # loader, wrapped module, optimizers, schedules, micro-batch plan
             module, args, self.backend, self._runner, self.training_step, self.hooks, self.progress, self._metrics,
-            plan, self.automatic_optimization,
+            plan, automatic,
         )  # fmt: skip
         self.run_claim = RunClaim(  # version_<N>, the run's lock
             args, self.checkpointer, self.backend, on_lost=lambda: self.preemption.request("the loss of the run lock")
@@ -174,6 +174,7 @@ class Trainer:
     wrapped_module = OwnedBy[Optional[torch.nn.Module]]("training_setup", "The module as the strategy wraps it (DDP, FSDP).")
     train_step_batch_size = OwnedBy[int]("training_setup", "The micro-batch per process.")
     gradient_accumulation = OwnedBy[int]("training_setup", "Micro-batches per optimizer step.")
+    automatic_optimization = OwnedBy[bool]("training_setup", "False when the module steps its optimizers itself.")
 
     @property
     def should_stop(self) -> bool:
@@ -309,7 +310,7 @@ class Trainer:
             and progress.last_validated_step != progress.global_steps_finished
         ):
             self._evaluate(Stage.VAL)
-        if self.automatic_optimization:  # after the epoch's validation: ReduceLROnPlateau reads it
+        if self.training_setup.automatic_optimization:  # after the epoch's validation: ReduceLROnPlateau reads it
             validated = progress.last_validated_step == progress.global_steps_finished
             self.training_setup.lr_schedules.step_per_epoch(progress.epochs_finished, self.history, validated)
         self.recorder.log_epoch_summary()
@@ -426,7 +427,7 @@ class Trainer:
         results = self.evaluator.run(stage, progress.global_steps_finished, self._evaluation_batch_size(), max_batches, record)
         if record and stage is Stage.VAL:
             progress.last_validated_step = progress.global_steps_finished
-            if self.automatic_optimization:
+            if self.training_setup.automatic_optimization:
                 self.training_setup.lr_schedules.step_after_validation(progress.global_steps_finished, self.history)
         return results
 

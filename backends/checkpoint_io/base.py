@@ -58,10 +58,10 @@ class CheckpointIO:
 
     def write(self, path: str, obj: Any) -> None:
         """Write ``obj`` to ``path`` (a local path or fsspec URL)."""
-        import fsspec  # on first use
+        from backends.checkpoint_io import run_files  # the one door for files
 
-        with fsspec.open(path, "wb") as handle:
-            torch.save(obj, handle)
+        fs, inner = run_files.filesystem(path)
+        run_files.write_file(fs, inner, lambda handle: torch.save(obj, handle))
 
     def read(self, path: str) -> Any:
         """Read what :meth:`write` wrote, onto the CPU.
@@ -70,10 +70,10 @@ class CheckpointIO:
             CorruptCheckpoint: the file is damaged.
             CheckpointRefused: the file holds what safe loading refuses.
         """
-        import fsspec  # on first use
+        from backends.checkpoint_io import run_files  # the one door for files
 
-        with fsspec.open(path, "rb") as handle:
-            return torch.load(handle, map_location="cpu", weights_only=self.weights_only)
+        fs, inner = run_files.filesystem(path)
+        return run_files.load_torch(fs, inner, run_files.CHECKPOINT, weights_only=self.weights_only)
 
     def stage(self, obj: Any) -> Any:
         """A copy of ``obj`` that training may not change (CPU tensors), for background writes."""
@@ -90,10 +90,11 @@ def file_digest(path: str) -> str:
         >>> file_digest("memory://doc-io/bytes")[:12]
         'ba7816bf8f01'
     """
-    import fsspec  # on first use
+    from backends.checkpoint_io import run_files  # the one door for files
 
     digest = hashlib.sha256()
-    with fsspec.open(path, "rb") as handle:
+    fs, inner = run_files.filesystem(path)
+    with run_files.open_file(fs, inner, run_files.DCP_SHARD) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -26,11 +26,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan
 
+from backends.checkpoint_io import run_files
 from backends.checkpoint_io.base import CheckpointRefused, CorruptCheckpoint
 from backends.checkpoint_io.dcp_index import UnsafeIndex, check_index, read_index, refuse_bytes_items
 
 INDEX_FILE = ".metadata"
-INDEX_LIMIT = 1 << 30
+INDEX_LIMIT = run_files.DCP_INDEX.limit
 """The largest ``.metadata`` read (bytes): an index describes tensors, it does not hold them."""
 
 
@@ -118,11 +119,7 @@ def validated_index(
     where = fs.unstrip_protocol(directory)
     path = posixpath.join(directory, INDEX_FILE)
     try:
-        size = fs.size(path)
-        if size > INDEX_LIMIT:
-            raise CorruptCheckpoint(f"its index {INDEX_FILE} is {size} bytes, more than {INDEX_LIMIT} (it holds no tensors)")
-        with fs.open(path, "rb") as handle:
-            data = handle.read()
+        data = run_files.read_bytes(fs, path, run_files.DCP_INDEX)  # a regular file of at most INDEX_LIMIT bytes
     except FileNotFoundError as error:
         raise CorruptCheckpoint(f"its index {INDEX_FILE} is missing") from error
     expected = recorded.get("metadata_sha256")
@@ -184,7 +181,7 @@ def _file_sizes(fs: Any, directory: str) -> Dict[str, int]:
 
 def _digest(fs: Any, path: str) -> str:
     digest = hashlib.sha256()
-    with fs.open(path, "rb") as handle:
+    with run_files.open_file(fs, path, run_files.DCP_SHARD) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

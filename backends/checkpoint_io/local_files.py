@@ -44,14 +44,16 @@ class LocalFiles:
     protocol: Tuple[str, ...] = ("file", "local")
 
     def open(self, path: str, mode: str = "rb", **options: Any) -> IO[Any]:
-        return open(path, mode)
+        """Refused: read and write run files through :mod:`backends.checkpoint_io.run_files`
+        (regular files only, never through a link), which serves the local disk itself."""
+        raise NotImplementedError(f"open {path!r} through backends.checkpoint_io.run_files, not LocalFiles.open")
 
     def ls(self, path: str, detail: bool = False) -> Union[List[str], List[Dict[str, Any]]]:
         with os.scandir(path) as entries:
             found = [(f"{path.rstrip('/')}/{entry.name}", entry) for entry in entries]
         if not detail:
             return [name for name, _ in found]
-        return [{"name": name, "type": _entry_type(entry)} for name, entry in found]
+        return [{"name": name, "type": _entry_type(entry), "islink": entry.is_symlink()} for name, entry in found]
 
     def invalidate_cache(self, path: Union[str, None] = None) -> None:
         """Nothing to forget: listings are never cached."""
@@ -87,6 +89,9 @@ class LocalFiles:
 
 
 def _entry_type(entry: "os.DirEntry[str]") -> str:
-    if entry.is_dir():
+    """The entry's own type: a symbolic link is ``"link"``, whatever it points to."""
+    if entry.is_symlink():
+        return "link"
+    if entry.is_dir(follow_symlinks=False):
         return "directory"
-    return "file" if entry.is_file() else "other"
+    return "file" if entry.is_file(follow_symlinks=False) else "other"

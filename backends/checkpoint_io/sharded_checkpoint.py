@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from backends.checkpoint_io import dcp_reader
+from backends.checkpoint_io import dcp_reader, run_files
 from backends.checkpoint_io.base import CheckpointIO, CorruptCheckpoint, file_digest
 
 logger = logging.getLogger(__name__)
@@ -188,8 +188,7 @@ def prepare_save(
         if fs.exists(final):  # the same step saved again (e.g. the final save after a step save)
             fs.rm(final, recursive=True)
         _move_directory(fs, partial, final)
-        with fs.open(posixpath.join(final, COMPLETE_MARKER), "wb") as handle:
-            handle.write(b"complete\n")
+        run_files.write_file(fs, posixpath.join(final, COMPLETE_MARKER), b"complete\n")
 
     return write
 
@@ -363,10 +362,7 @@ def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True) if tensor.device.type != "cpu" else tensor.detach().clone()
 
 
-def _is_local(fs: Any) -> bool:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
+_is_local = run_files.is_local
 
 
 def _writer(fs: Any, path: str) -> Any:

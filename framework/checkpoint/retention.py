@@ -14,8 +14,7 @@ import re
 import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-import torch
-
+from backends.checkpoint_io import run_files
 from framework.checkpoint import storage
 from framework.checkpoint.finite import best_first
 from framework.run.run_lock import check_lock_held
@@ -144,12 +143,8 @@ def saved_run_id(fs: Any, path: str) -> Optional[str]:
         if key in _RUN_IDS:
             return _RUN_IDS[key]
     try:
-        if local:
-            data = torch.load(target, map_location="cpu", weights_only=True, mmap=True)
-        else:
-            with fs.open(target, "rb") as handle:
-                data = torch.load(handle, map_location="cpu", weights_only=True)
-    except Exception:  # damaged, or not loadable without unpickling code: no run id known
+        data = run_files.load_torch(fs, target, run_files.CHECKPOINT)
+    except Exception:  # damaged, odd, or not loadable without unpickling code: no run id known
         data = None
     state = data.get("trainer") if isinstance(data, dict) else None  # Checkpoint.to_dict()
     found = state.get("run_id") if isinstance(state, dict) else None

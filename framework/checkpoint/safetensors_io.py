@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from backends.checkpoint_io import CorruptCheckpoint
+from backends.checkpoint_io import CorruptCheckpoint, run_files
 from framework.checkpoint import storage
 
 logger = logging.getLogger(__name__)
@@ -138,13 +138,10 @@ def load_safetensors(path: str) -> Tuple[str, Dict[str, torch.Tensor]]:
     if not fs.isfile(target):
         raise FileNotFoundError(f"{path!r}: no such safetensors file")
     if not target.endswith(INDEX_SUFFIX):
-        with fs.open(target, "rb") as handle:
-            return fs.unstrip_protocol(target), decode(handle.read(), fs.unstrip_protocol(target))
+        data = run_files.read_bytes(fs, target, run_files.SAFETENSORS)
+        return fs.unstrip_protocol(target), decode(data, fs.unstrip_protocol(target))
     where = fs.unstrip_protocol(target)
-    if fs.size(target) > JSON_LIMIT:
-        raise CorruptCheckpoint(f"{where}: the index is {fs.size(target)} bytes, more than {JSON_LIMIT}: refused")
-    with fs.open(target, "rb") as handle:
-        index = bounded_json(handle.read(), f"{where}: the index")
+    index = bounded_json(run_files.read_bytes(fs, target, run_files.SAFETENSORS_INDEX), f"{where}: the index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     metadata = index.get("metadata") if isinstance(index, dict) else None
     recorded = (metadata.get("sha256") if isinstance(metadata, dict) else None) or {}
@@ -162,8 +159,7 @@ def load_safetensors(path: str) -> Tuple[str, Dict[str, torch.Tensor]]:
         shard_path = storage.join(directory, shard_name)
         if not fs.isfile(shard_path):
             raise FileNotFoundError(f"{path!r} names the shard {shard_name!r}, which is missing")
-        with fs.open(shard_path, "rb") as handle:
-            data = handle.read()
+        data = run_files.read_bytes(fs, shard_path, run_files.SAFETENSORS)
         if shard_name in recorded and hashlib.sha256(data).hexdigest() != recorded[shard_name]:
             raise CorruptCheckpoint(
                 f"{path!r}: the shard {shard_name!r} does not match the SHA-256 its index records (damaged, or "

@@ -19,22 +19,18 @@ A failed write raises :class:`CheckpointWriteError`, naming the file and the OS 
 
 import contextlib
 import contextvars
-import errno
 import logging
 import os
-import pickle
 import posixpath
 import re
 import time
-import uuid
-import zipfile
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
 from backends.checkpoint_io import CheckpointRefused as CheckpointRefused  # defined beside the strategies' IO
 from backends.checkpoint_io import CorruptCheckpoint as CorruptCheckpoint
-from backends.checkpoint_io.local_files import LocalFiles, local_path
+from backends.checkpoint_io import run_files
 from framework.checkpoint import safe_types  # noqa: F401 - allows numpy and random values in user state
 from framework.run.run_lock import check_lock_held
 
@@ -44,19 +40,9 @@ if TYPE_CHECKING:  # imported on first use: a run that never reaches a file does
 logger = logging.getLogger(__name__)
 
 
-def _is_local(fs: "fsspec.AbstractFileSystem") -> bool:
-    if isinstance(fs, LocalFiles):
-        return True
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
-
-
-TEMPORARY_SUFFIX = ".tmp"
+_is_local = run_files.is_local
+TEMPORARY_SUFFIX = run_files.TEMPORARY_SUFFIX
 """Temporary files are named ``.<final name>.<random hex>.tmp``."""
-
-# Protocols whose uploads are atomic: the object appears only once its upload completes.
-_ATOMIC_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss"})
 
 RETRY_DELAYS: Tuple[float, ...] = (0.05, 0.1, 0.2)
 """Seconds waited before each retry of a failed listing or read (so 1 + len(RETRY_DELAYS) attempts)."""
@@ -109,12 +95,7 @@ def with_retries(operation: Callable[[], T], description: str) -> T:
 def resolve(url: str) -> Tuple["fsspec.AbstractFileSystem", str]:
     """The filesystem and path inside it for a local path or fsspec URL (a plain local path is
     served without importing fsspec: :mod:`backends.checkpoint_io.local_files`)."""
-    path = local_path(str(url))
-    if path is not None:
-        return cast("fsspec.AbstractFileSystem", LocalFiles()), path
-    import fsspec
-
-    return fsspec.core.url_to_fs(str(url))
+    return run_files.filesystem(url)
 
 
 def join(directory: str, name: str) -> str:
@@ -154,7 +135,7 @@ def temporary_name(name: str) -> str:
         ...     temporary_run_id(temporary_name("checkpoint-000000001.pt")) == "ab" * 16
         True
     """
-    return f".{name}.{_WRITING_RUN.get()}{uuid.uuid4().hex}{TEMPORARY_SUFFIX}"
+    return run_files.temporary_name(name, _WRITING_RUN.get())
 
 
 def temporary_run_id(name: str) -> Optional[str]:
@@ -193,28 +174,7 @@ def write_atomically(fs: "fsspec.AbstractFileSystem", path: str, obj: Any, seria
 
 
 def _write_atomically(fs: "fsspec.AbstractFileSystem", path: str, obj: Any, serializer: Serializer) -> None:
-    directory, name = posixpath.split(path)
-    fs.makedirs(directory, exist_ok=True)
-    if fs.protocol and set(_as_tuple(fs.protocol)) & _ATOMIC_UPLOAD_PROTOCOLS:
-        with fs.open(path, "wb") as handle:
-            serializer(obj, handle)
-        return
-    temporary = join(directory, temporary_name(name))
-    try:
-        if _is_local(fs):
-            with open(temporary, "wb") as handle:
-                serializer(obj, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            check_lock_held(directory)  # paused mid-save and taken over meanwhile: the new holder's files stay
-            os.replace(temporary, path)
-            _fsync_directory(directory)
-        else:
-            with fs.open(temporary, "wb") as handle:
-                serializer(obj, handle)
-            fs.mv(temporary, path)
-    finally:
-        _remove_quietly(fs, temporary)
+    run_files.write_file(fs, path, lambda handle: serializer(obj, handle), tag=_WRITING_RUN.get(), before_replace=check_lock_held)
 
 
 def _os_error_in(error: BaseException) -> Optional[OSError]:
@@ -230,77 +190,15 @@ def _os_error_in(error: BaseException) -> Optional[OSError]:
     return None
 
 
-def _remove_quietly(fs: "fsspec.AbstractFileSystem", path: str) -> None:
-    """Remove a temporary file if it is there; a failure is logged, never raised over the real error."""
-    try:
-        fs.rm(path)
-    except FileNotFoundError:
-        pass
-    except OSError as error:
-        logger.warning("could not remove the temporary file %s: %s", display(fs, path), error)
-
-
-def _as_tuple(protocol: Any) -> Tuple[str, ...]:
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
-
-
-def _fsync_directory(directory: str) -> None:
-    """Make a rename inside ``directory`` durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
-
-
-def _open_for_reading(fs: "fsspec.AbstractFileSystem", path: str) -> IO[bytes]:
-    """A read handle; on remote filesystems the whole file is fetched once and kept in memory,
-    so checking and loading it do not download it twice."""
-    if _is_local(fs):
-        return fs.open(path, "rb")
-    try:
-        return fs.open(path, "rb", cache_type="all")
-    except TypeError:  # a filesystem whose open() takes no cache options
-        return fs.open(path, "rb")
-
-
-def _check_archive(handle: IO[bytes], size: int, name: str) -> None:
-    try:
-        with zipfile.ZipFile(handle) as archive:
-            damaged = archive.testzip()
-            first_record = min((info.header_offset for info in archive.infolist()), default=0)
-    except OSError as error:
-        if error.errno not in (None, errno.EINVAL):  # a storage fault (EIO, ...), not a damaged file
-            raise
-        raise CorruptCheckpoint(f"{size} bytes, not a complete checkpoint archive (truncated?): {error}") from error
-    except (zipfile.BadZipFile, EOFError, ValueError) as error:
-        raise CorruptCheckpoint(f"{size} bytes, not a complete checkpoint archive (truncated?): {error}") from error
-    if damaged is not None:
-        raise CorruptCheckpoint(f"record {damaged!r} does not match its CRC checksum (the file is damaged)")
-    if first_record > 0:
-        # torch.save starts the file with its archive. Bytes before it are a pickle/zip polyglot:
-        # torch.load would unpickle those bytes instead of the archive that was checked.
-        raise CheckpointRefused(
-            f"{name} has {first_record} bytes before its zip archive, which torch.save never writes (a crafted "
-            f"pickle/zip polyglot that torch.load would unpickle instead of the archive); refusing to load it"
-        )
-
-
 def verify(fs: "fsspec.AbstractFileSystem", path: str) -> None:
     """Check that ``path`` is a complete ``torch.save`` zip archive whose records match their CRCs.
 
     Raises:
-        CorruptCheckpoint: the file is empty, truncated, not a zip archive, or a record's
-            bytes do not match the checksum written with them.
+        CorruptCheckpoint: the file is empty, truncated, not a zip archive, not a regular file,
+            or a record's bytes do not match the checksum written with them.
         CheckpointRefused: bytes precede the archive (a polyglot file).
     """
-    with _open_for_reading(fs, path) as handle:
-        _check_archive(handle, fs.size(path), display(fs, path))
+    run_files.verify_archive(fs, path, run_files.CHECKPOINT)
 
 
 def read(fs: "fsspec.AbstractFileSystem", path: str, weights_only: bool) -> Any:
@@ -321,33 +219,7 @@ def read(fs: "fsspec.AbstractFileSystem", path: str, weights_only: bool) -> Any:
 
 
 def _read_once(fs: "fsspec.AbstractFileSystem", path: str, name: str, weights_only: bool) -> Any:
-    with _open_for_reading(fs, path) as handle:
-        _check_archive(handle, fs.size(path), name)
-        handle.seek(0)
-        try:
-            return torch.load(handle, map_location="cpu", weights_only=weights_only)
-        except pickle.UnpicklingError as error:
-            message = str(error)
-            if weights_only:  # the archive is intact (CRCs match): this is what was written, not damage
-                raise CheckpointRefused(
-                    f"{name} holds pickled Python objects or code references, which weights_only loading refuses "
-                    f"because unpickling them can run code. If you trust the file, set "
-                    f"checkpointer_args.weights_only=False (--checkpointer.weights_only false). {_refusal_detail(message)}"
-                ) from error
-            raise CorruptCheckpoint(f"unpickling failed: {(message.strip().splitlines() or [repr(error)])[0]}") from error
-        except (RuntimeError, EOFError) as error:
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            raise CorruptCheckpoint(f"{type(error).__name__}: {first_line}") from error
-
-
-def _refusal_detail(message: str) -> str:
-    """The line of torch's weights_only message that says what was refused."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    for line in lines:
-        if "GLOBAL" in line or "Unsupported" in line or "WeightsUnpickler error" in line:
-            return line
-    informative = [line for line in lines if not line.startswith(("Weights only load failed", "Check the documentation"))]
-    return informative[0] if informative else ""
+    return run_files.load_torch(fs, path, run_files.CHECKPOINT, weights_only=weights_only)
 
 
 def list_entries(fs: "fsspec.AbstractFileSystem", directory: str) -> List[str]:
@@ -367,12 +239,4 @@ def list_files(fs: "fsspec.AbstractFileSystem", directory: str) -> List[str]:
 
 
 def _list(fs: "fsspec.AbstractFileSystem", directory: str, types: Tuple[str, ...]) -> List[str]:
-    def attempt() -> List[str]:
-        fs.invalidate_cache(directory)
-        try:
-            entries = fs.ls(directory, detail=True)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return [entry["name"].rstrip("/") for entry in entries if entry.get("type") in types]
-
-    return with_retries(attempt, f"listing checkpoints in {display(fs, directory)}")
+    return with_retries(lambda: run_files.list_entries(fs, directory, types), f"listing checkpoints in {display(fs, directory)}")

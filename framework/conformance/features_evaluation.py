@@ -4,8 +4,7 @@
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
+from backends.checkpoint_io import run_files
 from framework.callbacks import EMA, SWA
 from framework.conformance.checks import Context, make_args, make_trainer, run_dir, saving
 from framework.conformance.models import flat, full_state
@@ -80,8 +79,8 @@ def export_weights(context: Context, model: str) -> Dict[str, Any]:
     path = trainer.export_weights(os.path.join(run_dir(context, "export"), "weights.pt"))
     if context.rank != 0:
         return {}
-    local = path[len("file://") :] if path.startswith("file://") else path
-    return {"exported": flat(torch.load(local, weights_only=True, map_location="cpu")["model"])}
+    fs, inner = run_files.filesystem(path)
+    return {"exported": flat(run_files.load_torch(fs, inner, run_files.CHECKPOINT)["model"])}
 
 
 def _averaged(trainer: Any, average: Any) -> List[float]:

@@ -1,9 +1,10 @@
 """``metrics.csv``: every recorded value, one row each."""
 
 import csv
-import os
-from typing import Any, List, Optional, TextIO
+import io
+from typing import IO, Any, List, Optional
 
+from backends.checkpoint_io import run_files
 from framework.loggers.base import Logger, Record, RunInfo
 
 
@@ -29,15 +30,18 @@ class CSVLogger(Logger):
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._handle: Optional[TextIO] = None
+        self._handle: Optional[IO[str]] = None
         self._writer: Optional[Any] = None  # a csv.DictWriter while started
 
     def start(self, run: RunInfo) -> None:
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self._handle = handle = open(self.path, "w", newline="")  # noqa: SIM115 - open across calls; closed in finish()
-        self._writer = writer = csv.DictWriter(handle, fieldnames=self.FIELDS)
+        history = io.StringIO()
+        writer = csv.DictWriter(history, fieldnames=self.FIELDS)
         writer.writeheader()
-        self.log_metrics(run.records)
+        writer.writerows(run.records)
+        # A new file replaces whatever is there (a link is replaced, its target untouched), then rows are appended.
+        run_files.write_bytes(self.path, history.getvalue().encode("utf-8"), run_files.METRICS)
+        self._handle = handle = run_files.open_for_appending(self.path, run_files.METRICS)
+        self._writer = csv.DictWriter(handle, fieldnames=self.FIELDS)
 
     def log_metrics(self, records: List[Record]) -> None:
         if self._writer is None or self._handle is None:

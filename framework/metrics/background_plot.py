@@ -29,7 +29,10 @@ PLOT_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py"
 # a length line, then that many bytes of JSON.
 # A length read from the pipe, not its end: a DataLoader worker forked meanwhile keeps the pipe open.
 WORKER = r"""
-import importlib.util, json, os, sys
+import sys
+if sys.path and sys.path[0] in ("", "."):  # ``-c`` put the working directory first: nothing is imported from it
+    del sys.path[0]
+import importlib.util, json, os
 spec = importlib.util.spec_from_file_location("_framework_metrics_plot", sys.argv[1])
 plot = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot)
@@ -87,10 +90,11 @@ class BackgroundPlot:
         if self._given:
             raise RuntimeError(f"the drawing of {self.output!r} was already given its metrics")
         self._given = True
+        from backends.checkpoint_io import run_files  # the one door for files
+
         try:
-            with open(csv_path, newline="") as handle:
-                text = handle.read()
-        except OSError as error:
+            text = run_files.read_text(csv_path, run_files.METRICS)
+        except (OSError, run_files.UnsafeRunFile) as error:
             self._jobs.put(None)
             self._fail(f"{type(error).__name__}: {error}")
             return

@@ -30,8 +30,9 @@ def read_metrics(path: str) -> Series:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no metrics file at {path!r}; train with output_dir set, or pass the file itself")
-    with open(path, newline="") as handle:
-        return parse_metrics(handle, path)
+    from backends.checkpoint_io import run_files  # the one door for files (not in the drawing process)
+
+    return parse_metrics(run_files.read_text(path, run_files.METRICS).splitlines(), path)
 
 
 def parse_metrics(lines: Iterable[str], path: str) -> Series:

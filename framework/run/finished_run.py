@@ -29,10 +29,11 @@ def changed_settings(config_path: str, current: Dict[str, Dict[str, Any]]) -> Li
         >>> changed_settings(path, {"trainer": {"epochs": 2, "backend": "ddp"}})
         ['trainer.epochs: 3 -> 2']
     """
+    from backends.checkpoint_io import run_files  # the one door for files
+
     try:
-        with open(config_path) as handle:
-            text = handle.read()
-    except OSError:
+        text = run_files.read_text(config_path, run_files.CONFIG)
+    except (OSError, run_files.UnsafeRunFile):
         return []
     from framework.run.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
 

@@ -25,9 +25,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple, Union
 
+from backends.checkpoint_io import run_files
+from backends.checkpoint_io.local_files import LocalFiles
+
 LOCK_NAME = "run.lock"
 MAX_LOCK_BYTES = 4096
 """A lock file is a few hundred bytes; a larger one is damaged (read no further)."""
+LOCK_KIND = run_files.LOCK
 SAME_START_SECONDS = 1.0
 """On one host, a live pid whose process started within this of the lock's recorded start is the holder."""
 START_TOLERANCE_SECONDS = 2.0
@@ -135,18 +139,13 @@ def read_lock_file(path: str) -> Optional[LockFile]:
     if not stat.S_ISREG(found.st_mode):
         raise OddLockFile(f"the run lock {path} is {_kind(found.st_mode)}, not a regular file")
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        with run_files.open_file(LocalFiles(), path, LOCK_KIND) as handle:  # never through a link, never blocking
+            opened = os.fstat(handle.fileno())
+            data = handle.read(MAX_LOCK_BYTES + 1)
     except FileNotFoundError:
         return None
-    except OSError as error:  # replaced by a symlink since the lstat (ELOOP), or unreadable
+    except (OSError, run_files.UnsafeRunFile) as error:  # replaced by a link, FIFO... since the lstat, or unreadable
         raise OddLockFile(f"the run lock {path} cannot be opened as a regular file: {error}") from error
-    try:
-        opened = os.fstat(descriptor)
-        if not stat.S_ISREG(opened.st_mode):  # replaced between lstat and open
-            raise OddLockFile(f"the run lock {path} is {_kind(opened.st_mode)}, not a regular file")
-        data = os.read(descriptor, MAX_LOCK_BYTES + 1)
-    finally:
-        os.close(descriptor)
     holder, problem, fields = parse_holder(data)
     return LockFile(
         holder=holder,

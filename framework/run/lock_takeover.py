@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import FrozenSet, Optional, Tuple
 
+from backends.checkpoint_io import run_files
 from framework.run.lock_file import (
     LOCK_NAME,
     LockFile,
@@ -51,12 +52,7 @@ def write_candidate(path: str) -> Tuple[LockHolder, str, float]:
     mine = LockHolder(os.getpid(), socket.gethostname(), now, now, started if isinstance(started, float) else None)
     mine.token = uuid.uuid4().hex
     candidate = f"{path}.{mine.token}.new"
-    descriptor = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        os.write(descriptor, json.dumps(mine.__dict__).encode())
-        filesystem_now = os.fstat(descriptor).st_mtime
-    finally:
-        os.close(descriptor)
+    filesystem_now = run_files.create_new(candidate, json.dumps(mine.__dict__).encode(), run_files.LOCK).st_mtime
     return mine, candidate, filesystem_now
 
 

@@ -63,11 +63,12 @@ def recorded_run_id(output_dir: str) -> Optional[str]:
         >>> recorded_run_id(tempfile.mkdtemp()) is None
         True
     """
+    from backends.checkpoint_io import run_files  # the one door for files
+
     path = os.path.join(output_dir, "config.yaml")
     try:
-        with open(path) as handle:
-            text = handle.read()
-    except OSError:
+        text = run_files.read_text(path, run_files.CONFIG)
+    except (OSError, run_files.UnsafeRunFile):
         return None
     from framework.run.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
 

@@ -21,6 +21,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Tuple
 
+from backends.checkpoint_io import run_files
 from framework.checkpoint import storage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -121,8 +122,7 @@ def _write_tokens(directories: Mapping[str, str]) -> Dict[str, Tuple[str, str]]:
         fs, directory = storage.resolve(location)
         fs.makedirs(directory, exist_ok=True)
         name, content = f"{TOKEN_PREFIX}{uuid.uuid4().hex}", uuid.uuid4().hex
-        with fs.open(storage.join(directory, name), "wb") as handle:
-            handle.write(content.encode())
+        run_files.write_file(fs, storage.join(directory, name), content.encode())
         written[label] = (name, content)
     return written
 
@@ -136,11 +136,10 @@ def _read_token(location: str, name: str, content: str) -> Optional[str]:
         time.sleep(delay)
         try:
             fs.invalidate_cache(directory)
-            with fs.open(path, "rb") as handle:
-                text = handle.read().decode(errors="replace")
+            text = run_files.read_text(fs, path, run_files.PROBE)
         except FileNotFoundError:
             continue
-        except OSError as error:
+        except (OSError, run_files.UnsafeRunFile) as error:
             found = f"{type(error).__name__}: {error}"
             continue
         if text == content:

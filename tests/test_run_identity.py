@@ -69,8 +69,10 @@ def test_a_checkpoint_copied_in_from_another_run_is_refused_naming_both_runs(run
     directory, run = run_a
     other = train(tmp_path / "b", epochs=1)
     assert other.run_id != run.run_id
-    copied = os.path.join(tmp_path, "b", "run", "checkpoints", "checkpoint-000000099.pt")
-    shutil.copy(newest(directory), copied)  # the newest file now: resume="auto" would take it
+    # under its own name (a name that disagrees with the step inside is refused as damaged: test_one_door.py)
+    copied = os.path.join(tmp_path, "b", "run", "checkpoints", os.path.basename(newest(directory)))
+    shutil.copy(newest(directory), copied)
+    assert sorted(os.listdir(os.path.dirname(copied)))[-1] == os.path.basename(copied)  # resume="auto" takes it
     before = sorted(os.listdir(os.path.dirname(copied)))
     with pytest.raises(ForeignCheckpoint) as refused:
         train(tmp_path / "b", epochs=3)
@@ -100,6 +102,7 @@ def test_checkpoints_written_before_run_ids_existed_resume_without_error(run_a, 
     config = yaml.safe_load((old_dir / "run" / "config.yaml").read_text())
     del config["run_id"]
     (old_dir / "run" / "config.yaml").write_text(yaml.safe_dump(config))
+    os.remove(old_dir / "run" / "run_id")  # the record of its own came later too
     resumed = train(old_dir, epochs=3)
     assert resumed.global_steps_finished == run.global_steps_finished * 3 // 2
     assert saved_run_id(newest(old_dir)) == resumed.run_id != run.run_id

@@ -24,9 +24,11 @@ from framework.checkpoint.retention import (
     CheckpointScores,
     apply_retention,
     basename,
+    check_name_agrees,
     checkpoint_entries,
     checkpoint_name,
     model_name,
+    remember_run_id,
 )
 from framework.checkpoint.staging import StagingBuffers, copy_to_cpu
 from framework.checkpoint.storage_check import check_storage_serves
@@ -217,6 +219,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 logger.debug("wrote checkpoint %s", self._url(name))
                 args = self.args
                 step, scores = checkpoint.global_step, self._scores
+                remember_run_id(self._fs, storage.join(self._dir, name), run_id)  # never read back to learn it
                 apply_retention(self._fs, self._dir, step, scores, args.keep_last_n, args.keep_best_n, args.mode, run_id)
 
         if self.args.async_save:
@@ -399,6 +402,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
             checkpoint = Checkpoint.from_dict(data)
         except ValueError as error:
             raise ValueError(f"{url}: {error}") from error
+        check_name_agrees(url, checkpoint.global_step)
         logger.info("loaded checkpoint %s (epoch %d, step %d)", url, checkpoint.epoch, checkpoint.global_step)
         return checkpoint
 

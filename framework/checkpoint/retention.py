@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from backends.checkpoint_io import run_files
 from framework.checkpoint import storage
 from framework.checkpoint.finite import best_first
+from framework.run.run_identity import UNREADABLE
 from framework.run.run_lock import check_lock_held
 
 logger = logging.getLogger("framework.checkpoint.default")  # the checkpointer's messages keep one logger name
@@ -28,6 +29,38 @@ _TEMPORARY = r"\.pt\.[0-9a-f]+" + re.escape(storage.TEMPORARY_SUFFIX) + "$"
 _CHECKPOINT_TEMPORARY = re.compile(r"^\.checkpoint-\d+" + _TEMPORARY)
 ANY_TEMPORARY = re.compile(r"^\.(checkpoint|model)-\d+(" + _TEMPORARY + r"|\.partial$)")
 """Leftovers of a killed save: temporary files; for sharded checkpoints, ``.partial`` directories."""
+
+
+def step_in_name(path: str) -> Optional[int]:
+    """The step a checkpoint's name says it holds (``checkpoint-000000008.pt`` -> 8), or None for another name.
+
+    Example:
+        >>> step_in_name("s3://b/run/checkpoint-000000008.pt"), step_in_name("run/checkpoint-000000008/"), step_in_name("w.pt")
+        (8, 8, None)
+    """
+    match = _CHECKPOINT_NAME.match(basename(path.rstrip("/")))
+    return int(match.group(1)) if match else None
+
+
+def check_name_agrees(path: str, global_step: int) -> None:
+    """Refuse a checkpoint whose name says another step than it holds (a copy or a link put under a
+    newer name would be resumed as the newest and have retention rename the real ones stale).
+
+    Raises:
+        CorruptCheckpoint: the step in the name is not ``global_step`` (the resume skips it for an older one).
+
+    Example:
+        >>> check_name_agrees("run/checkpoint-000000099.pt", 8)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        backends.checkpoint_io.base.CorruptCheckpoint: run/checkpoint-000000099.pt is named for step 99 but holds step 8 ...
+    """
+    named = step_in_name(path)
+    if named is not None and named != global_step:
+        raise storage.CorruptCheckpoint(
+            f"{path} is named for step {named} but holds step {global_step} (a copy or a link under another name): "
+            "it is not resumed from; rename it checkpoint-" + f"{global_step:09d} or move it away"
+        )
 
 
 def checkpoint_name(global_step: int, suffix: str = ".pt") -> str:
@@ -116,39 +149,57 @@ _RUN_IDS_LOCK = threading.Lock()
 _FOREIGN_SEEN: Set[str] = set()  # foreign checkpoints already reported
 
 
+def _version(fs: Any, target: str) -> Tuple[str, Any, Any]:
+    """``(path, mtime, size)``: a file's version, whose run id never changes."""
+    if storage._is_local(fs):
+        status = os.stat(target, follow_symlinks=False)
+        return target, status.st_mtime_ns, status.st_size
+    info = fs.info(target)
+    return target, info.get("mtime") or info.get("LastModified") or info.get("ETag"), info.get("size")
+
+
+def _record_file(path: str) -> str:
+    return path if basename(path).endswith(".pt") else posixpath.join(path.rstrip("/"), "state.pt")
+
+
+def remember_run_id(fs: Any, path: str, run_id: Optional[str]) -> None:
+    """Note that the checkpoint just written at ``path`` holds ``run_id``: retention then never reads it back."""
+    try:
+        key = _version(fs, _record_file(path))
+    except (OSError, ValueError):
+        return
+    with _RUN_IDS_LOCK:
+        _RUN_IDS[key] = run_id
+
+
 def saved_run_id(fs: Any, path: str) -> Optional[str]:
     """The run id recorded in the checkpoint at ``path`` (a file, or a directory of shards whose
-    ``state.pt`` holds it); None when it records none or cannot be read. Read once per file
-    version (local files memory-mapped: the tensors are not read).
+    ``state.pt`` holds it); None when it records none; :data:`UNREADABLE` when it cannot be read
+    (damaged, odd, or holding what ``weights_only`` refuses: whose it is is unknown). Read once per
+    file version, and never for a checkpoint this process wrote (:func:`remember_run_id`).
 
     Example:
-        >>> import tempfile, os
+        >>> import tempfile, os, torch
         >>> path = os.path.join(tempfile.mkdtemp(), "checkpoint-000000001.pt")
         >>> torch.save({"trainer": {"run_id": "ab" * 16}}, path)
         >>> saved_run_id(storage.resolve(path)[0], path) == "ab" * 16
         True
     """
-    target = path if basename(path).endswith(".pt") else posixpath.join(path.rstrip("/"), "state.pt")
-    local = storage._is_local(fs)
+    target = _record_file(path)
     try:
-        if local:
-            status = os.stat(target)
-            key: Tuple[str, Any, Any] = (target, status.st_mtime_ns, status.st_size)
-        else:
-            info = fs.info(target)
-            key = (target, info.get("mtime") or info.get("LastModified") or info.get("ETag"), info.get("size"))
+        key = _version(fs, target)
     except (OSError, ValueError):
-        return None
+        return UNREADABLE
     with _RUN_IDS_LOCK:
         if key in _RUN_IDS:
             return _RUN_IDS[key]
     try:
         data = run_files.load_torch(fs, target, run_files.CHECKPOINT)
     except Exception:  # damaged, odd, or not loadable without unpickling code: no run id known
-        data = None
+        data = UNREADABLE
     state = data.get("trainer") if isinstance(data, dict) else None  # Checkpoint.to_dict()
     found = state.get("run_id") if isinstance(state, dict) else None
-    run_id = found if isinstance(found, str) else None
+    run_id = UNREADABLE if data is UNREADABLE else found if isinstance(found, str) else None
     with _RUN_IDS_LOCK:
         if len(_RUN_IDS) > 4096:
             _RUN_IDS.clear()
@@ -208,16 +259,18 @@ def apply_retention(
 
 
 def _own(fs: Any, path: str, run_id: str) -> bool:
-    """False (said once per file) when the checkpoint at ``path`` names another run id than ``run_id``."""
+    """False (said once per file) when the checkpoint at ``path`` names another run id than
+    ``run_id``, or cannot be read (unknown is not "mine"); True for this run's and for those written
+    before run ids existed."""
     saved = saved_run_id(fs, path)
     if saved is None or saved == run_id:
         return True
     if path not in _FOREIGN_SEEN:
         _FOREIGN_SEEN.add(path)
         logger.warning(
-            "checkpoint %s belongs to run %s, not to this run (%s): retention neither renames nor deletes it",
+            "checkpoint %s belongs to %s, not to this run (%s): retention neither renames nor deletes it",
             fs.unstrip_protocol(path),
-            saved,
+            "a run whose id cannot be read" if saved == UNREADABLE else f"run {saved}",
             run_id,
         )
     return False

@@ -25,6 +25,7 @@ from framework.run.arguments import TrainerArguments
 from framework.run.config import resolved_config
 from framework.run.finished_run import changed_settings, log_nothing_to_do
 from framework.run.run_claim import RunClaim
+from framework.run.run_identity import write_run_record
 
 logger = logging.getLogger("framework")
 
@@ -97,6 +98,8 @@ class RunStart:
         path, config = os.path.join(args.output_dir, "config.yaml"), resolved_config(args)
         if self.checkpointer.loaded_from is not None and self.stopping.complete(epochs, steps):
             log_nothing_to_do(steps, epochs, changed_settings(path, config.to_dict()))  # before config.yaml is rewritten
+        if self.checkpoint_manager.run_id is not None:
+            write_run_record(args.output_dir, self.checkpoint_manager.run_id)
         config.save(path, run_id=self.checkpoint_manager.run_id)
 
     def prepare_callbacks(self) -> None:

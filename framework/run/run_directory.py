@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from backends import TrainerBackend
     from framework.checkpoint.abstract import AbstractCheckpointer
 
-RUN_FILES = ("metrics.csv", "config.yaml")
+RUN_FILES = ("metrics.csv", "config.yaml", "run_id")
 """Files a run writes into ``output_dir``; finding one means another run lives there."""
 
 RUN_ENTRY = re.compile(r"^(checkpoint|model)-\d+(\.pt)?(\.stale)?$")

@@ -1,4 +1,5 @@
-"""Run identity: every run has an id, kept in ``config.yaml`` and in every checkpoint.
+"""Run identity: every run has an id, kept in a record of its own (``<output_dir>/run_id``: 32
+hex digits, read without parsing anything else), in ``config.yaml`` and in every checkpoint.
 
 A fresh run draws a new id; a run that resumes keeps the id of the run it continues. The id
 answers "whose checkpoint is this?": ``resume="auto"`` only continues from checkpoints of
@@ -19,6 +20,7 @@ may be continued from another ``output_dir``.
 
 import logging
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Tuple
@@ -30,6 +32,11 @@ logger = logging.getLogger("framework")
 
 RUN_ID_KEY = "run_id"
 """The key of the run id in ``config.yaml`` (top level) and in the trainer's checkpoint state."""
+RUN_ID_FILE = "run_id"
+"""The run's id alone, in ``output_dir`` (runs written before it existed keep theirs in ``config.yaml`` only)."""
+UNREADABLE = "<unreadable>"
+"""What :func:`recorded_run_id` answers for a record that is there but cannot be read: whose run
+it is is unknown, and unknown never lets another run adopt its files."""
 OUTPUT_DIR_KEY = "output_dir"
 """The key of the writing run's absolute ``output_dir`` in the trainer's checkpoint state."""
 
@@ -55,8 +62,24 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
+def write_run_record(output_dir: str, run_id: str) -> None:
+    """Write ``<output_dir>/run_id`` (atomically; call on rank zero).
+
+    Example:
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> write_run_record(directory, "ab" * 16); recorded_run_id(directory) == "ab" * 16
+        True
+    """
+    from backends.checkpoint_io import run_files  # the one door for files
+
+    run_files.write_bytes(os.path.join(output_dir, RUN_ID_FILE), f"{run_id}\n".encode(), run_files.RUN_ID)
+
+
 def recorded_run_id(output_dir: str) -> Optional[str]:
-    """The run id in ``<output_dir>/config.yaml``, or None (no file, no id, not readable).
+    """The id of the run living in ``output_dir``: its ``run_id`` record (else, for a run written
+    before records existed, ``config.yaml``'s ``run_id``); None when neither file is there or
+    ``config.yaml`` names no id; :data:`UNREADABLE` when a file is there but cannot be read.
 
     Example:
         >>> import tempfile
@@ -65,17 +88,25 @@ def recorded_run_id(output_dir: str) -> Optional[str]:
     """
     from backends.checkpoint_io import run_files  # the one door for files
 
-    path = os.path.join(output_dir, "config.yaml")
     try:
-        text = run_files.read_text(path, run_files.CONFIG)
+        text = run_files.read_text(os.path.join(output_dir, RUN_ID_FILE), run_files.RUN_ID).strip()
+        return text if re.fullmatch("[0-9a-f]{32}", text) else UNREADABLE
+    except FileNotFoundError:
+        pass
     except (OSError, run_files.UnsafeRunFile):
+        return UNREADABLE
+    try:
+        text = run_files.read_text(os.path.join(output_dir, "config.yaml"), run_files.CONFIG)
+    except FileNotFoundError:
         return None
+    except (OSError, run_files.UnsafeRunFile):
+        return UNREADABLE
     from framework.run.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
 
     try:
         data = load_yaml(text)  # an alias bomb is refused, not walked
-    except YamlRefused:
-        return None
+    except (YamlRefused, ValueError):
+        return UNREADABLE
     value = data.get(RUN_ID_KEY) if isinstance(data, dict) else None
     return value if isinstance(value, str) and value else None
 
@@ -106,6 +137,12 @@ class StartingIdentity:
         found = backend.broadcast_object(found)  # a no-op on one rank
         if found is None:
             raise RuntimeError("rank zero sent no run id")
+        if found[0] == UNREADABLE:  # every rank raises: rank zero sent the verdict
+            raise ForeignCheckpoint(
+                f"output_dir {output_dir!r} holds a run whose id cannot be read (its {RUN_ID_FILE} or config.yaml is "
+                "damaged, too large or not a regular file), so which checkpoints are its own is unknown. Restore or "
+                f"remove {os.path.join(output_dir, RUN_ID_FILE)} to continue it, or choose another output_dir"
+            )
         return cls(found[0], found[1], output_dir=os.path.abspath(output_dir))
 
     def after_load(self, saved: Optional[str], automatic: bool, path: Optional[str], saved_output_dir: Any = None) -> str:
@@ -128,9 +165,10 @@ class StartingIdentity:
             return own
         if automatic and self.recorded is None and isinstance(saved_output_dir, str) and self.output_dir is not None:
             elsewhere = os.path.realpath(saved_output_dir) != os.path.realpath(self.output_dir)
-            if elsewhere and recorded_run_id(saved_output_dir) == saved:
+            if elsewhere and recorded_run_id(saved_output_dir) in (saved, UNREADABLE):  # unknown is not "gone"
                 raise ForeignCheckpoint(
-                    f"resume='auto' found checkpoint {path} of run {saved}, which lives in output_dir "
+                    f"resume='auto' found checkpoint {path} of run {saved}, which lives (or may live: its record may be "
+                    f"unreadable) in output_dir "
                     f"{saved_output_dir!r}, not in this run's output_dir {self.output_dir!r}: two runs share one save_dir. "
                     "Resuming would adopt that run's checkpoints and this run's retention would delete them. To continue "
                     f"that run, use its output_dir (--trainer.output_dir {saved_output_dir}); to start another run, choose "

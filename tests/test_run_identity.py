@@ -143,7 +143,7 @@ def test_ddp_refuses_a_foreign_checkpoint_and_another_optimizer_on_both_ranks(ru
     directory, run = run_a
     foreign = tmp_path / "foreign"
     other = train(foreign, epochs=1)
-    shutil.copy(newest(directory), foreign / "run" / "checkpoints" / "checkpoint-000000099.pt")
+    shutil.copy(newest(directory), foreign / "run" / "checkpoints" / os.path.basename(newest(directory)))  # the newest
     changed = tmp_path / "changed"
     Trainer(Configurable(), toy_args(changed, checkpoints(), epochs=1)).train()  # SGD, then Adam under ddp
     shared = str(tmp_path / "shared-checkpoints")  # a run whose checkpoints go outside its output_dir

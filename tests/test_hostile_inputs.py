@@ -179,6 +179,32 @@ def payload_state(path: str, marker: str) -> None:
 # ---------------------------------------------------------------- safetensors damage
 
 
+def special_file(path: str, kind: str) -> None:
+    """``path`` replaced by a FIFO (a read would block forever), a link to ``/dev/zero`` (a whole-file
+    read would fill memory) or a link out of the run (to the run's own older, intact file)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        outside = path + ".outside"
+        os.replace(path, outside)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)
+    else:
+        os.symlink(path + ".outside", path)
+
+
+def older_under_newer_name(path: str) -> None:
+    """The newest checkpoint replaced by a copy of the first one, under the newest's name."""
+    oldest = os.path.join(os.path.dirname(path), checkpoint_name(1, os.path.splitext(path)[1]))
+    (shutil.rmtree if os.path.isdir(path) else os.remove)(path)
+    (shutil.copytree if os.path.isdir(oldest) else shutil.copy)(oldest, path)
+
+
+ODD = r"is (a FIFO|a symbolic link), not a regular file"
+
+
 def header_edit(path: str) -> None:
     """One weight's dtype F32 -> I32 (same size): values off by ~1e9 if it loaded."""
     with open(path, "rb") as handle:
@@ -279,6 +305,28 @@ DAMAGES: Dict[str, Damage] = {
     "sharded-state-payload": Damage(
         "sharded", lambda d, m: payload_state(os.path.join(d, STATE_FILE), m), CheckpointRefused, r"pickled Python objects"
     ),
+    "sharded-index-fifo": Damage(
+        "sharded", lambda d, m: special_file(os.path.join(d, INDEX_FILE), "fifo"), CorruptCheckpoint, ODD
+    ),
+    "sharded-index-dev-zero": Damage(
+        "sharded", lambda d, m: special_file(os.path.join(d, INDEX_FILE), "dev-zero"), CorruptCheckpoint, ODD
+    ),
+    "sharded-state-fifo": Damage(
+        "sharded", lambda d, m: special_file(os.path.join(d, STATE_FILE), "fifo"), CorruptCheckpoint, ODD
+    ),
+    "sharded-state-link-out": Damage(
+        "sharded", lambda d, m: special_file(os.path.join(d, STATE_FILE), "link"), CorruptCheckpoint, ODD
+    ),
+    "sharded-named-newer": Damage(
+        "sharded", lambda d, m: older_under_newer_name(d), CorruptCheckpoint, r"is named for step 3 but holds step 1"
+    ),
+    "pt-fifo": Damage("pt", lambda p, m: special_file(p, "fifo"), CorruptCheckpoint, ODD),
+    "pt-dev-zero": Damage("pt", lambda p, m: special_file(p, "dev-zero"), CorruptCheckpoint, ODD),
+    "pt-named-newer": Damage(
+        "pt", lambda p, m: older_under_newer_name(p), CorruptCheckpoint, r"is named for step 3 but holds step 1"
+    ),
+    "safetensors-fifo": Damage("safetensors", lambda p, m: special_file(p, "fifo"), CorruptCheckpoint, ODD),
+    "safetensors-link-out": Damage("safetensors", lambda p, m: special_file(p, "link"), CorruptCheckpoint, ODD),
     "pt-truncated": Damage("pt", lambda p, m: truncate(p), CorruptCheckpoint, r"truncated"),
     "pt-flipped": Damage("pt", lambda p, m: flip_byte(p), CorruptCheckpoint, r"CRC|damaged|unpickling failed"),
     "pt-payload": Damage("pt", payload_state, CheckpointRefused, r"pickled Python objects"),

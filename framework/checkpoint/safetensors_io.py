@@ -135,7 +135,7 @@ def load_safetensors(path: str) -> Tuple[str, Dict[str, torch.Tensor]]:
         url, state_dict = load_safetensors("export/model.safetensors.index.json")
     """
     fs, target = storage.resolve(path)
-    if not fs.isfile(target):
+    if not fs.exists(target):
         raise FileNotFoundError(f"{path!r}: no such safetensors file")
     if not target.endswith(INDEX_SUFFIX):
         data = run_files.read_bytes(fs, target, run_files.SAFETENSORS)

@@ -12,6 +12,7 @@ from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.checkpoint.checkpoint import FORMAT_NAME, Checkpoint
 from framework.checkpoint.default import DefaultCheckpointer, checkpoint_name
 from framework.checkpoint.file_io import FileIO
+from framework.checkpoint.retention import check_name_agrees
 from framework.checkpoint.safetensors_io import is_safetensors, load_safetensors
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ def load_checkpoint_into(
     else:
         data = strategy.load_checkpoint(url, io, target=lambda: {"module": _state_of(module), "trainer": trainer_target or {}})
     checkpoint = Checkpoint.from_dict(data) if isinstance(data, dict) and data.get("format") == FORMAT_NAME else None
+    if checkpoint is not None:
+        check_name_agrees(url, checkpoint.global_step)
     _apply(module, data if checkpoint is None else checkpoint.module_state, url)  # else a model export: get_state()
     logger.info("loaded weights from %s", url)
     return url, {} if checkpoint is None else checkpoint.trainer_state
@@ -112,6 +115,8 @@ def resolve_checkpoint(
     if fs.isfile(path) or (fs.isdir(path) and SHARDED_NAME.match(path.rstrip("/").rsplit("/", 1)[-1])):
         return fs.unstrip_protocol(path)
     if not fs.isdir(path):
+        if fs.exists(path):  # a FIFO, a device, a link...: the one door names what it is
+            return fs.unstrip_protocol(path)
         raise FileNotFoundError(f"{path_or_dir!r} is neither a checkpoint nor a directory")
     return _from_directory(path_or_dir, step, metric, mode, weights_only)
 

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+
 from toy import ToyModule, toy_args
 
 from framework import Trainer

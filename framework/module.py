@@ -159,16 +159,19 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         return state
 
     def update_state(self, state: Dict[str, Any]) -> None:
-        """Restore what :meth:`get_state` returned (saved hyper-parameters included: :attr:`hparams`)."""
+        """Restore what :meth:`get_state` returned. Saved hyper-parameters are a record: a module
+        that saved its own keeps them (a fine-tune from another run's weights records its own
+        settings); one that saved none takes the checkpoint's as :attr:`hparams`."""
         self.load_state_dict(state["model"])
-        if isinstance(state.get(HYPER_PARAMETERS_KEY), dict):
+        if isinstance(state.get(HYPER_PARAMETERS_KEY), dict) and not self.hparams:
             self.__dict__["_hparams"] = AttributeDict(state[HYPER_PARAMETERS_KEY])
 
     # -- hyper-parameters (Lightning's names) ------------------------------------------
     def save_hyperparameters(self, *names: Any, ignore: Union[str, Sequence[str]] = ()) -> None:
         """Keep the calling ``__init__``'s arguments (or only ``names``, or one dict) as
         :attr:`hparams`; the trainer writes them to ``config.yaml`` (section
-        ``hyper_parameters``) and every checkpoint keeps them (restored with the weights).
+        ``hyper_parameters``) and every checkpoint keeps them (restored with the weights into a module
+        that saved none of its own: see :meth:`update_state`).
 
         Values must be plain: None, bool, int, float, str, and lists and string-keyed dicts of
         them. Read from ``__init__``, other values (a tensor, a module) are skipped with a warning

@@ -55,8 +55,26 @@ def test_hparams_from_init_into_config_yaml_and_checkpoints_and_back(tmp_path, f
     fresh = Classifier(hidden=16, lr=0.5, encoder=torch.nn.Linear(2, 2))
     assert fresh.hparams.lr == 0.5
     load_weights(fresh, str(run / "checkpoints"))
-    assert fresh.hparams == {"hidden": 16, "lr": 0.1, "sizes": (4, 8), "tag": "a"}
+    assert fresh.hparams.lr == 0.5  # its own: a record is not a setting (issue 49)
     assert torch.equal(fresh.net[0].weight, module.net[0].weight)
+    bare = ToyModule(hidden=16)  # saved none of its own: takes the checkpoint's
+    bare.encoder = torch.nn.Linear(2, 2)
+    load_weights(bare, str(run / "checkpoints"))
+    assert bare.hparams == {"hidden": 16, "lr": 0.1, "sizes": (4, 8), "tag": "a"}
+
+
+def test_a_fine_tune_records_its_own_hyper_parameters_not_the_loaded_runs(tmp_path):
+    """Fault (issue 49): run B (lr 0.5) loading run A's weights (lr 0.1) recorded lr 0.1 in its
+    checkpoints while its config.yaml said 0.5 (update_state replacing hparams)."""
+    Trainer(Classifier(hidden=16, lr=0.1), toy_args(tmp_path / "a", DefaultCheckpointerArguments(period=1))).train()
+    loaded = sorted(glob.glob(str(tmp_path / "a" / "run" / "checkpoints" / "checkpoint-*.pt")))[-1]
+    tuned = Classifier(hidden=16, lr=0.5)
+    Trainer(tuned, toy_args(tmp_path / "b", DefaultCheckpointerArguments(period=1, load_filename=loaded))).train()
+    assert tuned.hparams.lr == 0.5
+    run = tmp_path / "b" / "run"
+    saved = torch.load(sorted(glob.glob(str(run / "checkpoints" / "checkpoint-*.pt")))[-1], weights_only=True)
+    assert saved["module"]["hyper_parameters"]["lr"] == 0.5
+    assert yaml.safe_load((run / "config.yaml").read_text())["hyper_parameters"]["lr"] == 0.5
 
 
 class Named(ToyModule):

@@ -181,7 +181,8 @@ def payload_state(path: str, marker: str) -> None:
 
 def special_file(path: str, kind: str) -> None:
     """``path`` replaced by a FIFO (a read would block forever), a link to ``/dev/zero`` (a whole-file
-    read would fill memory) or a link out of the run (to the run's own older, intact file)."""
+    read would fill memory) or a link out of the run (to the run's own older, intact file). A link the
+    user names (``checkpoint=``) is followed on purpose; one the run finds in its directories is refused."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
@@ -202,7 +203,7 @@ def older_under_newer_name(path: str) -> None:
     (shutil.copytree if os.path.isdir(oldest) else shutil.copy)(oldest, path)
 
 
-ODD = r"is (a FIFO|a symbolic link), not a regular file"
+ODD = r"is (a FIFO|a symbolic link|a device), not a regular file"
 
 
 def header_edit(path: str) -> None:
@@ -326,7 +327,7 @@ DAMAGES: Dict[str, Damage] = {
         "pt", lambda p, m: older_under_newer_name(p), CorruptCheckpoint, r"is named for step 3 but holds step 1"
     ),
     "safetensors-fifo": Damage("safetensors", lambda p, m: special_file(p, "fifo"), CorruptCheckpoint, ODD),
-    "safetensors-link-out": Damage("safetensors", lambda p, m: special_file(p, "link"), CorruptCheckpoint, ODD),
+    "safetensors-dev-zero": Damage("safetensors", lambda p, m: special_file(p, "dev-zero"), CorruptCheckpoint, ODD),
     "pt-truncated": Damage("pt", lambda p, m: truncate(p), CorruptCheckpoint, r"truncated"),
     "pt-flipped": Damage("pt", lambda p, m: flip_byte(p), CorruptCheckpoint, r"CRC|damaged|unpickling failed"),
     "pt-payload": Damage("pt", payload_state, CheckpointRefused, r"pickled Python objects"),

@@ -75,6 +75,23 @@ def test_a_run_started_beside_a_json_py_imports_nothing_from_the_working_directo
     assert os.path.isfile(tmp_path / "run" / "metrics.png"), done.stdout + done.stderr[-2000:]
 
 
+def test_links_the_user_names_are_followed_on_purpose(tmp_path):
+    """Fault: the door's link refusal applied to what the user chose (a linked --config, load_filename)."""
+    from framework.run.config import parse_config
+
+    real = tmp_path / "configs" / "real.yaml"
+    real.parent.mkdir()
+    real.write_text("trainer:\n  epochs: 3\n")
+    os.symlink(real, tmp_path / "link.yaml")
+    assert parse_config(argv=["--config", str(tmp_path / "link.yaml")]).trainer.epochs == 3
+    first = train(tmp_path / "a", epochs=1)
+    newest = sorted((tmp_path / "a" / "run" / "checkpoints").iterdir())[-1]
+    os.symlink(newest, tmp_path / "best.pt")
+    tuned = train(tmp_path / "b", epochs=1, resume=None, load_filename=str(tmp_path / "best.pt"))
+    assert tuned.checkpointer.loaded_from == str(tmp_path / "best.pt") and tuned.run_id != first.run_id
+    assert tuned.global_steps_finished > first.global_steps_finished  # it continued from the linked checkpoint
+
+
 def test_a_resumed_run_replaces_links_to_config_yaml_and_metrics_csv_and_never_changes_their_targets(tmp_path):
     """Fault: ``config.yaml`` or ``metrics.csv`` opened for writing by name (through the link): the
     user's own YAML and CSV are overwritten by the resumed run."""

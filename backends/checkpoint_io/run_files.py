@@ -122,6 +122,21 @@ def filesystem(url: str) -> Tuple[Filesystem, str]:
     return cast(Tuple[Filesystem, str], fsspec.core.url_to_fs(str(url)))
 
 
+def named_by_user(url: str) -> str:
+    """A path the user named (``--config``, ``load_filename``, ``checkpoint=``) with its links
+    followed once, on purpose: the door refuses links it meets, never the ones a user chose.
+
+    Example:
+        >>> import tempfile
+        >>> directory = tempfile.mkdtemp()
+        >>> os.symlink(os.path.join(directory, "real.yaml"), os.path.join(directory, "link.yaml"))
+        >>> named_by_user(os.path.join(directory, "link.yaml")) == os.path.realpath(os.path.join(directory, "real.yaml"))
+        True
+    """
+    path = local_path(str(url))
+    return str(url) if path is None else os.path.realpath(path)
+
+
 def is_local(fs: Filesystem) -> bool:
     """Whether ``fs`` is the local disk (paths are plain absolute paths).
 

@@ -8,6 +8,7 @@ from typing import IO, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from backends.checkpoint_io import run_files
 from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint import storage
 from framework.checkpoint.abstract import AbstractCheckpointer
@@ -358,7 +359,7 @@ class DefaultCheckpointer(AbstractCheckpointer):
         if self.args.resume == "auto":
             checkpoint = self._load_latest(self.save_dir, read, gather)
         if checkpoint is None and self.args.load_filename:
-            checkpoint = read(self.args.load_filename)
+            checkpoint = read(run_files.named_by_user(self.args.load_filename))
             self.loaded_from = self.args.load_filename
         elif checkpoint is None and self.args.load_dir:
             checkpoint = self._load_latest(self.args.load_dir, read, gather)

@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from backends.checkpoint_io import SHARDED_NAME
+from backends.checkpoint_io import SHARDED_NAME, run_files
 from backends.strategies import SingleProcess, Strategy
 from framework.checkpoint import storage
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
@@ -111,7 +111,7 @@ def resolve_checkpoint(
         raise ValueError(f"step={step!r} is invalid; allowed: 'last', 'best' or an optimizer step (an integer >= 0)")
     if mode not in (None, "min", "max"):
         raise ValueError(f"mode={mode!r} is invalid; allowed: 'min', 'max'")
-    fs, path = storage.resolve(path_or_dir)
+    fs, path = storage.resolve(run_files.named_by_user(path_or_dir))
     if fs.isfile(path) or (fs.isdir(path) and SHARDED_NAME.match(path.rstrip("/").rsplit("/", 1)[-1])):
         return fs.unstrip_protocol(path)
     if not fs.isdir(path):

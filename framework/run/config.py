@@ -342,7 +342,7 @@ def _load_yaml(path: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist" + (" (it is a directory)" if os.path.isdir(path) else ""))
     try:
-        data = load_yaml(run_files.read_text(path, run_files.CONFIG))
+        data = load_yaml(run_files.read_text(run_files.named_by_user(path), run_files.CONFIG))
     except run_files.UnsafeRunFile as error:
         raise ConfigError(f"config file refused: {error}") from None
     except YamlRefused as error:

@@ -87,7 +87,7 @@ def test_links_the_user_names_are_followed_on_purpose(tmp_path):
     first = train(tmp_path / "a", epochs=1)
     newest = sorted((tmp_path / "a" / "run" / "checkpoints").iterdir())[-1]
     os.symlink(newest, tmp_path / "best.pt")
-    tuned = train(tmp_path / "b", epochs=1, resume=None, load_filename=str(tmp_path / "best.pt"))
+    tuned = train(tmp_path / "b", epochs=2, resume=None, load_filename=str(tmp_path / "best.pt"))
     assert tuned.checkpointer.loaded_from == str(tmp_path / "best.pt") and tuned.run_id != first.run_id
     assert tuned.global_steps_finished > first.global_steps_finished  # it continued from the linked checkpoint
 

@@ -174,3 +174,40 @@ def test_retention_leaves_checkpoints_it_cannot_read_alone(tmp_path):
     resumed = train(tmp_path, epochs=3, save_dir=str(save_dir), keep_last_n=1)
     assert resumed.epochs_finished == 3
     assert sorted(os.listdir(save_dir)) == ["checkpoint-000000000.pt", f"checkpoint-{resumed.global_steps_finished:09d}.pt"]
+
+
+def test_a_link_between_save_dir_and_output_dir_is_one_directory(tmp_path):
+    """Fault: aliases compared by name: the run locked save_dir (a link to its own output_dir) twice and
+    refused itself as "in use by a live run" (its own pid)."""
+    (tmp_path / "run").mkdir()
+    os.symlink(tmp_path / "run", tmp_path / "alias")
+    trainer = train(tmp_path, epochs=1, save_dir=str(tmp_path / "alias"))
+    assert trainer.global_steps_finished > 0
+    assert [name for name in os.listdir(tmp_path / "run") if name.startswith("checkpoint-")]
+
+
+def test_a_full_disk_names_the_field_and_the_file_and_leaves_no_litter(tmp_path):
+    """Fault: a failed lock write raised as a raw OSError naming neither the field nor the file, and left
+    an empty ``run.lock.<token>.new`` behind each time. The disk is "full" past 64 bytes (RLIMIT_FSIZE)."""
+    script = tmp_path / "full.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import resource, signal, sys
+            sys.path[:0] = [{os.path.join(ROOT, "tests")!r}, {ROOT!r}]
+            from toy import ToyModule, toy_args
+            from framework import Trainer
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+            try:
+                Trainer(ToyModule(n_train=64), toy_args({str(tmp_path)!r})).train()
+            except OSError as error:
+                print("REFUSED", error)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in done.stdout, done.stdout + done.stderr[-3000:]
+    message = done.stdout
+    assert "output_dir" in message and str(tmp_path / "run" / "run.lock") in message and "--trainer.output_dir" in message
+    assert [name for name in os.listdir(tmp_path / "run") if name.endswith(".new")] == []

@@ -448,8 +448,13 @@ def create_new(path: str, data: bytes, kind: FileKind) -> os.stat_result:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     descriptor = os.open(path, flags, 0o644)
     try:
-        os.write(descriptor, data)
+        written = memoryview(data)
+        while written:  # a short write (a full disk) is followed by one that says why
+            written = written[os.write(descriptor, written) :]
         return os.fstat(descriptor)
+    except BaseException:  # a full disk: no partial file is left behind
+        os.remove(path)
+        raise
     finally:
         os.close(descriptor)
 

@@ -166,7 +166,7 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
 def locked_directories(output_dir: str, checkpointer: Any) -> List[Tuple[str, str]]:
     """``[(save_dir, "save_dir")]`` when the checkpointer's ``save_dir`` is a local directory
     other than ``output_dir``, inside it or not (the run locks it too: another run pointed at it
-    finds it held), else empty.
+    finds it held), else empty. Aliases of one directory (a link, ``..``) are one directory.
 
     Example:
         >>> class Checkpointer:
@@ -178,6 +178,6 @@ def locked_directories(output_dir: str, checkpointer: Any) -> List[Tuple[str, st
     """
     save_dir = getattr(checkpointer, "save_dir", None)
     local, output = (local_path(str(save_dir)) if save_dir else None), local_path(str(output_dir))
-    if local is None or output is None or os.path.normpath(local) == os.path.normpath(output):
+    if local is None or output is None or os.path.realpath(local) == os.path.realpath(output):
         return []
     return [(local, "save_dir")]

@@ -157,7 +157,15 @@ class RunLock:
             logger.debug("not locking %s %s: %s", self.what, self.output_dir, error)
             return
         for _ in range(_ATTEMPTS):
-            mine, candidate, filesystem_now = write_candidate(self.path)
+            try:
+                mine, candidate, filesystem_now = write_candidate(self.path)
+            except OSError as error:
+                raise OSError(
+                    error.errno,
+                    f"cannot write the run lock {self.path} in {self.what} {self.output_dir!r}: "
+                    f"{error.strerror or error}. Make {self.what} writable (or free space there), or choose another "
+                    f"{self.what} ({'--checkpointer.save_dir' if self.what == 'save_dir' else '--trainer.output_dir'})",
+                ) from error
             try:
                 taken = self._link(candidate) or self._take_over_if_gone(candidate, filesystem_now)
                 if taken and self._won(mine):
@@ -429,12 +437,13 @@ def claim_run_lock(
         locks = RunLocks([reserved or RunLock(output_dir), *(RunLock(directory, what=what) for directory, what in also)])
         try:
             locks.acquire()
-        except RunLocked as error:
-            refusal = str(error)
+        except (RunLocked, OSError) as error:  # every rank learns it: none waits for a rank that stopped
+            refusal = (isinstance(error, RunLocked), str(error), getattr(error, "errno", None))
     if backend is not None:
         refusal = backend.broadcast_object(refusal)  # a no-op on one rank
     if refusal is not None:
-        raise RunLocked(
-            refusal if backend is None or backend.is_main_process else f"rank zero refused to start the run: {refusal}"
-        )
+        locked, message, number = refusal
+        if backend is not None and not backend.is_main_process:
+            message = f"rank zero refused to start the run: {message}"
+        raise RunLocked(message) if locked else OSError(number, message)
     return locks

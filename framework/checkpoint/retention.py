@@ -194,7 +194,7 @@ def saved_run_id(fs: Any, path: str) -> Optional[str]:
         if key in _RUN_IDS:
             return _RUN_IDS[key]
     try:
-        data = run_files.load_torch(fs, target, run_files.CHECKPOINT)
+        data = run_files.load_torch_mapped(fs, target, run_files.CHECKPOINT)  # the tensors are not read
     except Exception:  # damaged, odd, or not loadable without unpickling code: no run id known
         data = UNREADABLE
     state = data.get("trainer") if isinstance(data, dict) else None  # Checkpoint.to_dict()

@@ -16,7 +16,7 @@ from backends.checkpoint_io import run_files
 from backends.checkpoint_io.local_files import LocalFiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOOR = "backends/checkpoint_io/run_files.py"
+DOOR = "backends/checkpoint_io/run_files/"
 
 OPENERS = {"open", "os.open", "os.fdopen", "io.open", "codecs.open", "fsspec.open", "fsspec.open_files", "np.load"}
 OPENERS |= {"numpy.load", "torch.load", "pickle.load", "json.load", "safe_open", "load_file", "mmap.mmap"}
@@ -80,7 +80,7 @@ def test_no_code_outside_the_door_opens_or_loads_a_file():
                     continue
                 path = os.path.join(directory, name)
                 module = os.path.relpath(path, ROOT)
-                if module == DOOR:
+                if module.startswith(DOOR):
                     continue
                 with open(path) as handle:
                     calls = raw_file_calls(handle.read())
@@ -88,7 +88,7 @@ def test_no_code_outside_the_door_opens_or_loads_a_file():
                 calls = [(line, call) for line, call in calls if call not in allowed]
                 if calls:
                     offenders[module] = calls
-    assert offenders == {}, "open and load run files through backends/checkpoint_io/run_files.py"
+    assert offenders == {}, "open and load run files through backends/checkpoint_io/run_files/"
 
 
 @pytest.mark.parametrize(

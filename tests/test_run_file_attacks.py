@@ -211,3 +211,30 @@ def test_a_full_disk_names_the_field_and_the_file_and_leaves_no_litter(tmp_path)
     message = done.stdout
     assert "output_dir" in message and str(tmp_path / "run" / "run.lock") in message and "--trainer.output_dir" in message
     assert [name for name in os.listdir(tmp_path / "run") if name.endswith(".new")] == []
+
+
+def test_a_full_disk_under_fsdp_is_a_checkpoint_write_error_naming_the_checkpoint(tmp_path):
+    """Fault: DCP's raw ``CheckpointException``/``OSError`` (naming neither the checkpoint nor what to do)
+    for a disk that fills while a sharded checkpoint is written; the disk is "full" past 48 KiB."""
+    script = tmp_path / "full.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import resource, signal, sys
+            sys.path[:0] = [{os.path.join(ROOT, "tests")!r}, {ROOT!r}]
+            from toy import ToyModule, toy_args
+            from framework import Trainer
+            from framework.checkpoint import CheckpointWriteError, DefaultCheckpointerArguments
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (48 << 10, 48 << 10))
+            args = toy_args({str(tmp_path)!r}, DefaultCheckpointerArguments(period=1), backend="fsdp")
+            try:
+                Trainer(ToyModule(n_train=64, hidden=512), args).train()
+            except CheckpointWriteError as error:
+                print("REFUSED", error)
+            """
+        )
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "REFUSED" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "could not write sharded checkpoint" in done.stdout and "--checkpointer.save_dir" in done.stdout

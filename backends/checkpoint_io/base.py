@@ -14,29 +14,13 @@ from typing import Any
 
 import torch
 
+from backends.checkpoint_io.errors import CheckpointRefused as CheckpointRefused
+from backends.checkpoint_io.errors import CheckpointWriteError as CheckpointWriteError
+from backends.checkpoint_io.errors import CorruptCheckpoint as CorruptCheckpoint
 from backends.checkpoint_io.local_files import local_path
 
 SHARDED_NAME = re.compile(r"^checkpoint-(\d+)$")
 """A sharded checkpoint is a directory named ``checkpoint-<step>``; a whole one a file ``checkpoint-<step>.pt``."""
-
-
-class CheckpointRefused(ValueError):
-    """A checkpoint that ``weights_only`` loading refuses to unpickle (pickled objects, blocked
-    modules such as ``posix.system``, bytes before the zip archive, a sharded index that cannot
-    be proven to be the one written with it). It stops the run with the file named; it is never
-    treated as damaged and never skipped for an older checkpoint.
-
-    Example:
-        >>> raise CheckpointRefused("runs/x/checkpoint-000000003.pt holds pickled Python objects ...")
-        Traceback (most recent call last):
-        ...
-        backends.checkpoint_io.base.CheckpointRefused: runs/x/checkpoint-000000003.pt holds pickled Python objects ...
-    """
-
-
-class CorruptCheckpoint(ValueError):
-    """A checkpoint is truncated or damaged (the reason names what failed): resuming skips it for
-    the previous one, with a warning."""
 
 
 class CheckpointIO:

@@ -173,7 +173,7 @@ def check_index(metadata: Any, tensor_keys: Collection[str], file_sizes: Mapping
         >>> check_index(Metadata({"module/w": BytesStorageMetadata()}), {"module/w"}, {}, 100)
         Traceback (most recent call last):
         ...
-        backends.checkpoint_io.base.CorruptCheckpoint: index entry 'module/w' is a BytesStorageMetadata, not a tensor: \
+        backends.checkpoint_io.errors.CorruptCheckpoint: index entry 'module/w' is a BytesStorageMetadata, not a tensor: \
 refused (DCP would unpickle its bytes with weights_only=False)
     """
     entries = metadata.state_dict_metadata

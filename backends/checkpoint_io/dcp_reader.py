@@ -43,7 +43,7 @@ class TensorOnlyPlanner(DefaultLoadPlanner):
         >>> planner.load_bytes(None, None)
         Traceback (most recent call last):
         ...
-        backends.checkpoint_io.base.CorruptCheckpoint: a checkpoint entry asked to be unpickled: refused
+        backends.checkpoint_io.errors.CorruptCheckpoint: a checkpoint entry asked to be unpickled: refused
     """
 
     def create_local_plan(self) -> LoadPlan:

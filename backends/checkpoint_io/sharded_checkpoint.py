@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from backends.checkpoint_io import dcp_reader, run_files
-from backends.checkpoint_io.base import CheckpointIO, CorruptCheckpoint, file_digest
+from backends.checkpoint_io.base import CheckpointIO, CheckpointWriteError, CorruptCheckpoint, file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -171,10 +171,13 @@ def prepare_save(
         rest = io.stage(rest)
 
     def write() -> None:
-        with _single_process_quietly():
-            metadata = dcp.save(
-                tensors, storage_writer=_writer(fs, partial), process_group=process_group, no_dist=not distributed
-            )
+        try:
+            with _single_process_quietly():
+                metadata = dcp.save(
+                    tensors, storage_writer=_writer(fs, partial), process_group=process_group, no_dist=not distributed
+                )
+        except CheckpointException as error:  # DCP's own: a BaseException holding each rank's
+            raise _named_write_error(error, fs.unstrip_protocol(final)) from error
         if not is_main:
             return
         # Rank zero: DCP has gathered every rank's result; every shard must be where readers look.
@@ -329,6 +332,20 @@ def _check_shapes(metadata: Any, targets: Dict[str, torch.Tensor], where: str) -
             f"{f' (and {len(differing) - 3} more)' if len(differing) > 3 else ''}. Resume it with the model that wrote "
             "it, or start this model in a new output_dir (fine-tuning from a checkpoint needs the same shapes)"
         )
+
+
+def _named_write_error(error: CheckpointException, where: str) -> BaseException:
+    """A storage failure inside DCP's ``CheckpointException`` as :class:`CheckpointWriteError`
+    naming the checkpoint, the rank and what to do; any other failure as DCP raised it."""
+    for rank, (failure, _) in sorted(error.failures.items()):
+        if isinstance(failure, OSError) and failure.errno is not None:
+            return CheckpointWriteError(
+                failure.errno,
+                f"could not write sharded checkpoint {where} (rank {rank}): {failure.strerror or failure}. Free space "
+                "there or make it writable, or choose another save_dir (--checkpointer.save_dir); the previous "
+                "checkpoint is untouched",
+            )
+    return error
 
 
 def _move_directory(fs: Any, source: str, target: str) -> None:

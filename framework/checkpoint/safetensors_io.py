@@ -210,7 +210,7 @@ def encode(tensors: Dict[str, torch.Tensor]) -> bytes:
         >>> decode(flipped, "w.safetensors")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        backends.checkpoint_io.base.CorruptCheckpoint: w.safetensors: its header and tensor bytes do not match the SHA-256 ...
+        backends.checkpoint_io.errors.CorruptCheckpoint: w.safetensors: its header and tensor bytes do not match the SHA-256 ...
     """
     from safetensors.torch import save
 
@@ -264,7 +264,7 @@ def bounded_json(data: bytes, what: str) -> Any:
         >>> bounded_json(b"[" * 100000 + b"]" * 100000, "header")
         Traceback (most recent call last):
         ...
-        backends.checkpoint_io.base.CorruptCheckpoint: header is nested deeper than 8 levels: refused
+        backends.checkpoint_io.errors.CorruptCheckpoint: header is nested deeper than 8 levels: refused
     """
     try:
         text = data.decode("utf-8")

@@ -31,6 +31,7 @@ import torch
 from backends.checkpoint_io import CheckpointRefused as CheckpointRefused  # defined beside the strategies' IO
 from backends.checkpoint_io import CorruptCheckpoint as CorruptCheckpoint
 from backends.checkpoint_io import run_files
+from backends.checkpoint_io.base import CheckpointWriteError as CheckpointWriteError  # defined beside the strategies' IO
 from framework.checkpoint import safe_types  # noqa: F401 - allows numpy and random values in user state
 from framework.run.run_lock import check_lock_held
 
@@ -52,17 +53,6 @@ _NOT_TRANSIENT = (FileNotFoundError, NotADirectoryError, IsADirectoryError, File
 
 Serializer = Callable[[Any, IO[bytes]], None]
 T = TypeVar("T")
-
-
-class CheckpointWriteError(OSError):
-    """Writing a checkpoint failed with an OS error (ENOSPC, EIO, ...); the message names the file.
-
-    ``errno`` is the OS error's; the previous checkpoint is untouched.
-
-    Example:
-        >>> str(CheckpointWriteError(28, "could not write checkpoint runs/x/checkpoint-000000008.pt: No space left on device"))
-        '[Errno 28] could not write checkpoint runs/x/checkpoint-000000008.pt: No space left on device'
-    """
 
 
 def display(fs: "fsspec.AbstractFileSystem", path: str) -> str:

@@ -18,7 +18,7 @@ class CSVLogger(Logger):
     truncates another run's values.
 
     Example:
-        >>> import tempfile
+        >>> import os, tempfile
         >>> csv_logger = CSVLogger(os.path.join(tempfile.mkdtemp(), "metrics.csv"))
         >>> csv_logger.start(RunInfo(output_dir="unused"))
         >>> csv_logger.log_metrics([{"epoch": 0, "step": 1, "name": "train_loss", "value": 0.3}])

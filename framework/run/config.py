@@ -17,6 +17,7 @@ import sys
 import typing
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
+from backends.checkpoint_io import run_files
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
 from framework.run.arguments import TrainerArguments
 from framework.run.backend_options_config import gather_backend_options
@@ -106,8 +107,6 @@ class RunConfig:
     def save(self, path: str, run_id: Optional[str] = None) -> None:
         """Write the resolved configuration as YAML (loadable with ``--config``), with the
         run's id first (``run_id``, which ``--config`` ignores: see framework/run/run_identity.py)."""
-        from backends.checkpoint_io import run_files  # the one door for files
-
         data: Dict[str, Any] = {} if run_id is None else {RUN_ID_KEY: run_id}
         data.update(self.to_dict())
         # Without importing PyYAML (~15 ms in a fresh process); atomically, replacing a link rather than writing through it.
@@ -337,15 +336,11 @@ def _split_arguments(argv: List[str]) -> Tuple[Optional[str], List[Tuple[str, An
 
 
 def _load_yaml(path: str) -> Dict[str, Any]:
-    from backends.checkpoint_io import run_files  # the one door for files
-
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist" + (" (it is a directory)" if os.path.isdir(path) else ""))
     try:
         data = load_yaml(run_files.read_text(run_files.named_by_user(path), run_files.CONFIG))
-    except run_files.UnsafeRunFile as error:
-        raise ConfigError(f"config file refused: {error}") from None
-    except YamlRefused as error:
+    except (run_files.UnsafeRunFile, YamlRefused) as error:
         verdict = "is" if str(error).startswith("not valid YAML") else "refused:"
         raise ConfigError(f"config file {path!r} {verdict} {error}") from None
     if data is None:

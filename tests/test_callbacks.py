@@ -405,7 +405,7 @@ def test_callbacks_example_stops_early_and_writes_its_outputs(tmp_path):
     assert trainer.epochs_finished < 20 and trainer.history.values("lr")
     val_steps = [step for step, _ in trainer.history.steps("val_loss")]
     assert val_steps == list(range(10, trainer.global_steps_finished + 1, 10))  # mid-epoch, every 10 steps
-    assert sorted(os.listdir(out)) == ["config.yaml", "metrics.csv", "metrics.png"]
+    assert sorted(os.listdir(out)) == ["config.yaml", "metrics.csv", "metrics.png", "run_id"]
 
 
 class BarProbe(ProgressBar):

@@ -210,23 +210,32 @@ def test_the_process_waits_for_its_drawing_before_it_exits(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == "png at exit: True", result.stdout + result.stderr
 
 
-def test_matplotlib_is_imported_during_training_only_where_a_core_is_idle(tmp_path, monkeypatch):
-    """Kills: the drawing process importing matplotlib while the run trains on a machine with no idle
-    core (it would take CPU time from training); or never where one is idle (the exit pays for it)."""
-    import framework.metrics.background_plot as background
+def test_no_drawing_process_is_alive_while_the_run_trains(tmp_path, monkeypatch):
+    """Kills: the drawing process started with training (issue 53: it imported matplotlib beside the
+    training on a 2-core machine, and a program training many times had 7 of them alive at once)."""
+    from toy import ToyModule, toy_args
 
-    started = []
-    real = background.subprocess.Popen
+    import framework.metrics.background_plot as background
+    from framework import Trainer
+
+    steps_at_start = []
+    module = ToyModule()
+    module.steps_run = 0
+    real_step, real_popen = module.train_step, background.subprocess.Popen
+
+    def counting_step(*arguments):
+        module.steps_run += 1
+        return real_step(*arguments)
 
     def recording(arguments, **kwargs):
-        started.append(arguments[4:])
-        return real(arguments, **kwargs)
+        steps_at_start.append(module.steps_run)
+        return real_popen(arguments, **kwargs)
 
+    module.train_step = counting_step
     monkeypatch.setattr(background.subprocess, "Popen", recording)
-    write_run(tmp_path)
-    for load, expected in ((64.0, []), (0.0, ["prewarm"])):
-        monkeypatch.setattr(background.os, "getloadavg", lambda load=load: (load, load, load))
-        drawing = background.BackgroundPlot(str(tmp_path / "metrics.png"))
-        drawing.draw(str(tmp_path / "metrics.csv"))
-        assert drawing.wait(timeout=120) == str(tmp_path / "metrics.png")
-        assert started.pop() == expected
+    trainer = Trainer(module, toy_args(tmp_path, epochs=2, plot_metrics=True))
+    trainer.train()
+    from framework.metrics.background_plot import wait_for_plots
+
+    assert wait_for_plots(timeout=120) == [str(tmp_path / "run" / "metrics.png")]
+    assert steps_at_start == [module.steps_run] and module.steps_run > 0  # one process, after the last step

@@ -1,19 +1,20 @@
 """Draw ``metrics.png`` in a process of its own, off ``train()``'s critical path.
 
-The drawing process starts when training starts and, where a core is idle, imports matplotlib
-while the run trains (about 0.3 s of the 0.5 s a plot costs, on that core); when training ends, the trainer hands
-it ``metrics.csv``'s text (so a next run may rewrite the file at once) and returns. A thread
-waits for the process and logs the outcome: ``metrics plot: PATH``, or a warning naming the
-error (never an exception in the run). Pending drawings are joined before the interpreter exits
-(``atexit``) and before a next run's plot callback starts on the same PNG
-(:func:`wait_for_plots`).
+The drawing process starts when training has ended, never during it (it imports matplotlib,
+about 0.3 s of the 0.5 s a plot costs: on a small machine it would compete with training), at a
+lowered priority (``nice`` +10: a next ``train()`` in the same program keeps the CPU first). The
+trainer hands it ``metrics.csv``'s text (so a next run may rewrite the file at once) and returns.
+A thread waits for the process and logs the outcome: ``metrics plot: PATH``, or a warning naming
+the error (never an exception in the run). Pending drawings are joined before the interpreter
+exits (``atexit``) and before a next run's plot callback starts on the same PNG
+(:func:`wait_for_plots`). The process takes nothing from the working directory: its path loses
+the entry ``-c`` puts first before its first import.
 """
 
 import atexit
 import json
 import logging
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -23,24 +24,20 @@ logger = logging.getLogger("framework.callbacks.metrics_plot")
 
 PLOT_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py")
 
-# The drawing process: loads plot.py by path (no ``import framework``: torch stays out of it),
-# imports matplotlib at once where told ("prewarm"), then waits for one job (at the priority of the
-# run: a lowered one would leave the exit waiting on a busy machine):
-# a length line, then that many bytes of JSON.
-# A length read from the pipe, not its end: a DataLoader worker forked meanwhile keeps the pipe open.
+# The drawing process: removes the working directory from its path, lowers its priority, loads
+# plot.py by path (no ``import framework``: torch stays out of it), then reads one job: a length
+# line, then that many bytes of JSON. A length read from the pipe, not its end: a DataLoader worker
+# forked meanwhile keeps the pipe open.
 WORKER = r"""
 import sys
 if sys.path and sys.path[0] in ("", "."):  # ``-c`` put the working directory first: nothing is imported from it
     del sys.path[0]
 import importlib.util, json, os
+if hasattr(os, "nice"):
+    os.nice(10)
 spec = importlib.util.spec_from_file_location("_framework_metrics_plot", sys.argv[1])
 plot = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot)
-if sys.argv[2:] == ["prewarm"]:
-    try:
-        import matplotlib.figure
-    except ImportError:
-        pass
 header = sys.stdin.buffer.readline().strip()
 if not header:
     sys.exit(0)
@@ -58,16 +55,16 @@ _pending_lock = threading.Lock()
 
 
 class BackgroundPlot:
-    """One ``metrics.png``, drawn by a process of its own started now and given its data by :meth:`draw`.
+    """One ``metrics.png``, drawn by a process of its own that :meth:`draw` starts.
 
     Args:
         output: the PNG the drawing writes.
         timeout: seconds the drawing may take after :meth:`draw`; then it is killed and a warning logged.
 
     Example:
-        drawing = BackgroundPlot("outputs/metrics.png")   # at training's start: matplotlib loads meanwhile
+        drawing = BackgroundPlot("outputs/metrics.png")   # at training's start: nothing runs yet
         ...                                               # training
-        drawing.draw("outputs/metrics.csv")               # returns at once
+        drawing.draw("outputs/metrics.csv")               # returns at once; the drawing process starts
         drawing.wait()                                    # 'outputs/metrics.png', or None (a warning says why)
     """
 
@@ -78,83 +75,66 @@ class BackgroundPlot:
         """True once the PNG is in place, False when the drawing failed or was cancelled, None while pending."""
         self.error: Optional[str] = None
         """Why the drawing failed (None: it did not)."""
-        self._jobs: queue.Queue[Optional[Dict[str, Any]]] = queue.Queue(maxsize=1)
-        self._given = False
-        self._thread = threading.Thread(target=self._run, name="metrics-plot", daemon=True)
+        self._thread: Optional[threading.Thread] = None
+
+    def draw(self, csv_path: str) -> None:
+        """Draw ``csv_path``'s metrics (read here, so the file is free at once) in the background."""
+        from backends.checkpoint_io import run_files  # the one door for files
+
+        if self.drawn is not None or self._thread is not None:
+            raise RuntimeError(f"the drawing of {self.output!r} was already given its metrics")
+        try:
+            text = run_files.read_text(csv_path, run_files.METRICS)
+        except (OSError, run_files.UnsafeRunFile) as error:
+            self._fail(f"{type(error).__name__}: {error}")
+            return
+        job = {"csv": text, "csv_path": os.path.abspath(csv_path), "output": self.output}
+        self._thread = threading.Thread(target=self._run, args=(job,), name="metrics-plot", daemon=True)
         with _pending_lock:
             _pending[id(self)] = self
         self._thread.start()  # the process is spawned there: a fork-exec of a large process costs ~20 ms
 
-    def draw(self, csv_path: str) -> None:
-        """Draw ``csv_path``'s metrics (read here, so the file is free at once) in the background."""
-        if self._given:
-            raise RuntimeError(f"the drawing of {self.output!r} was already given its metrics")
-        self._given = True
-        from backends.checkpoint_io import run_files  # the one door for files
-
-        try:
-            text = run_files.read_text(csv_path, run_files.METRICS)
-        except (OSError, run_files.UnsafeRunFile) as error:
-            self._jobs.put(None)
-            self._fail(f"{type(error).__name__}: {error}")
-            return
-        self._jobs.put({"csv": text, "csv_path": os.path.abspath(csv_path), "output": self.output})
-
     def cancel(self) -> None:
-        """No plot after all (the run failed, or wrote no metrics): stop the drawing process."""
-        if not self._given:
-            self._given = True
-            self._jobs.put(None)
+        """No plot after all (the run failed, or wrote no metrics)."""
+        if self.drawn is None and self._thread is None:
+            self.drawn = False
 
     def wait(self, timeout: Optional[float] = None) -> Optional[str]:
         """Wait for the drawing (cancelled first if it was never given metrics); the PNG's path,
         or None where it failed (a warning was logged) or did not finish within ``timeout``."""
         self.cancel()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
         return self.output if self.drawn else None
 
     @property
     def pending(self) -> bool:
         """Whether the drawing is still under way."""
-        return self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def _fail(self, error: str) -> None:
         self.drawn, self.error = False, error
         logger.warning("metrics.png not drawn in the background (%s); training itself finished", error)
 
-    def _run(self) -> None:
+    def _run(self, job: Dict[str, Any]) -> None:
         try:
-            self._draw_in_process()
+            self._draw_in_process(job)
         except Exception as error:  # never lost, never raised into the run
             self._fail(f"{type(error).__name__}: {error}")
         finally:
             with _pending_lock:
                 _pending.pop(id(self), None)
 
-    def _draw_in_process(self) -> None:
-        arguments = [sys.executable, "-c", WORKER, PLOT_MODULE] + (["prewarm"] if spare_core() else [])
+    def _draw_in_process(self, job: Dict[str, Any]) -> None:
         process = subprocess.Popen(
-            arguments,
+            [sys.executable, "-c", WORKER, PLOT_MODULE],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        job = self._jobs.get()
-        if job is None:
-            process.kill()
-            process.communicate()
-            if self.drawn is None:
-                self.drawn = False
-            return
         payload = json.dumps(job).encode()
-        assert process.stdin is not None
         try:
-            process.stdin.write(b"%d\n" % len(payload) + payload)
-            process.stdin.flush()
-        except OSError:  # the process died before reading: its stderr says why
-            pass
-        try:
-            _, errors = process.communicate(timeout=self.timeout)
+            _, errors = process.communicate(b"%d\n" % len(payload) + payload, timeout=self.timeout)
         except subprocess.TimeoutExpired:
             process.kill()
             process.communicate()
@@ -166,22 +146,6 @@ class BackgroundPlot:
             return
         self.drawn = True
         logger.info("metrics plot: %s", self.output)
-
-
-def spare_core() -> bool:
-    """Whether about a core is idle (the 1-minute load average at least half a core below the core
-    count; a run on one thread of a 2-core machine reads about 1.0-1.3): only then does
-    the drawing process import matplotlib while the run trains; else it waits for the metrics, so
-    that the import never takes CPU time from training (it then costs at exit instead).
-
-    Example:
-        >>> isinstance(spare_core(), bool)
-        True
-    """
-    try:
-        return (os.cpu_count() or 1) - os.getloadavg()[0] >= 0.5
-    except (AttributeError, OSError):  # no load average (Windows): do not compete
-        return False
 
 
 def wait_for_plots(output: Optional[str] = None, timeout: Optional[float] = None) -> List[str]:

@@ -97,44 +97,54 @@ class TrainerArguments(_CarriesRunConfig):
     """Backend name: sp, sp-amp, sp-bf16, ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16, model-parallel,
     model-parallel-amp, model-parallel-bf16, or a registered plugin."""
     amp_dtype: Optional[str] = None
-    """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU
-    (``*-amp`` backends; ``*-bf16`` take only bfloat16; fp32 backends refuse a value)."""
+    """Mixed precision dtype: float16 (CUDA, with GradScaler) or bfloat16; None: fp16 on CUDA, bf16 on CPU. Taken by the
+    ``*-amp`` backends (``MixedPrecision(dtype=...)``) and, as ``bfloat16`` only, by ``*-bf16``; an fp32 backend refuses a
+    value."""
     find_unused_parameters: bool = False
-    """Passed to DistributedDataParallel (ddp backends only: any other backend refuses True)."""
+    """Passed to DistributedDataParallel: ``DDP(find_unused_parameters=...)``. Only the ddp backends take it; any other backend
+    refuses ``True`` with a ``ValueError``."""
     ddp_timeout: float = 600.0
-    """Seconds a collective waits for a missing rank before the job fails."""
+    """Seconds a collective waits for a missing rank before the job fails (accepted, and unused, by single-process backends,
+    which wait for no rank)."""
     reshard_after_forward: bool = True
-    """fsdp backends: free each unit's gathered parameters after its forward (less memory, one more all-gather
-    in backward); False keeps them until backward. Any other backend refuses False."""
+    """fsdp backends: free each unit's gathered parameters after its forward (less memory, one more all-gather in backward);
+    ``False`` keeps them until backward. Passed to ``FSDP(reshard_after_forward=...)``; any other backend refuses ``False``."""
     tensor_parallel_size: Optional[int] = None
     """model-parallel backends: ranks that split each layer (the ``tp`` axis of the ``("dp", "tp")`` mesh); must
     divide the world size, the data-parallel size is world size / this. None: the processes of one node.
     Any other backend refuses a value (see docs/model-parallel.md)."""
     data_parallel_replicate_size: Optional[int] = None
-    """fsdp and model-parallel backends: HSDP. The data-parallel ranks form this many replica groups; parameters
-    are sharded within a group and gradients all-reduced across groups (a ``("dp_replicate", "dp_shard")`` mesh,
-    ``(..., "tp")`` under model-parallel). Usually the number of nodes, so all-gathers stay inside a node. Must
-    divide the data-parallel size. None: 1 (shard over every data-parallel rank). Other backends refuse a value
-    (see docs/distributed.md)."""
+    """HSDP on the fsdp and model-parallel backends: the data-parallel ranks form this many replica groups; parameters are
+    sharded within a group and gradients all-reduced across groups (a ``("dp_replicate", "dp_shard")`` mesh,
+    ``("dp_replicate", "dp_shard", "tp")`` under model-parallel). Usually the number of nodes. Must divide the data-parallel
+    size. ``None``: 1 (shard over every data-parallel rank). Passed to ``FSDP(data_parallel_replicate_size=...)`` /
+    ``ModelParallel(data_parallel_replicate_size=...)``; any other backend refuses a value. See
+    [distributed.md](distributed.md#hsdp-replicate-across-nodes-shard-within-one)."""
     backend_options: Dict[str, Any] = field(default_factory=dict)
-    """The chosen backend's own options (a plugin declares them; ``--help`` lists them under its name):
-    ``--trainer.backend_options.NAME VALUE``, or ``backend_options: {NAME: VALUE}`` under ``trainer:`` in YAML.
-    A name the backend does not declare is refused (see docs/backends.md)."""
+    """The chosen backend's own options, as a plugin declares them (``register_backend(..., options=...)``); the factory
+    receives each as a keyword argument. ``--trainer.backend_options.NAME VALUE``, or ``backend_options: {NAME: VALUE}``
+    under ``trainer:`` in YAML. A name the backend does not declare is refused with the closest declared one; ``--help``
+    lists them under the backends that declare them. See [backends.md](backends.md#a-plugins-own-options)."""
     cluster: Optional[str] = None
-    """Cluster environment (torchrun, slurm, mpi, local, or a registered plugin); None: detect it."""
+    """Cluster environment (``torchrun``, ``slurm``, ``mpi``, ``local``, or a registered plugin); None: detect it. See
+    [distributed.md](distributed.md#clusters)."""
     compile: bool = False
-    """Compile the model for training with ``torch.compile`` (each sharding unit, or each child module)."""
+    """Compile the model for training with ``torch.compile`` (each sharding unit, or each child module); see
+    docs/distributed.md."""
     activation_checkpointing: bool = False
-    """Recompute each sharding unit's activations in backward instead of keeping them (less memory, one more
-    forward per unit); applied before compile and FSDP sharding. Needs units (``sharding_units()``)."""
+    """Recompute each sharding unit's activations in backward instead of keeping them (less memory, about one more forward);
+    applied before compile and FSDP sharding, on every backend. Needs units: ``sharding_units()`` or ``nn.ModuleList`` /
+    ``nn.ModuleDict`` blocks. See [distributed.md](distributed.md#activation-checkpointing)."""
     profiler: str = "off"
-    """``"throughput"``: record samples/s, steps/s, MFU and peak CUDA memory at log points (``Throughput``);
-    ``"torch"``: that plus ``torch.profiler`` traces of a few steps under ``<output_dir>/profiler/``
-    (``TorchProfiler``); ``"off"``: neither."""
+    """``"throughput"``: record ``samples_per_second``, ``steps_per_second``, ``mfu`` and ``peak_memory_gib`` at each log point
+    (a ``Throughput`` callback); ``"torch"``: that plus ``torch.profiler`` traces of a few steps under
+    ``<output_dir>/profiler/`` (a ``TorchProfiler`` callback); ``"off"``: neither, nothing in the loop. See
+    [callbacks.md](callbacks.md#profiling-and-throughput)."""
     use_gpu: Optional[bool] = None
     """None: a GPU when present; True: require one; False: CPU."""
     seed: int = 42
-    """Seeds python, numpy and torch, and the shuffling order (0 to 2**32 - 1)."""
+    """Seeds python, numpy and torch, and the shuffling order (0 to 2**32 - 1), when the ``Trainer`` is built; call
+    ``framework.seed_everything(seed)`` before building your module to repeat its initial weights too."""
     log_every_n_steps: int = 50
     """Read losses back from the device and write them every N optimizer steps."""
     disable_tqdm: bool = False
@@ -147,16 +157,18 @@ class TrainerArguments(_CarriesRunConfig):
     """Where metrics.csv, config.yaml and (by default) checkpoints go."""
     output_dir_in_use: str = "new_version"
     """When ``output_dir`` holds another run that this run does not resume: ``"new_version"`` trains in
-    ``<output_dir>/version_<N>`` (the first free N >= 1, said once in the log); ``"error"`` refuses to start."""
+    ``<output_dir>/version_<N>`` (the first free N >= 1, said once in the log); ``"error"`` refuses to start
+    (``RunDirectoryInUse``)."""
     loggers: List[Union[str, Logger]] = field(default_factory=lambda: ["csv"])
     """Where metrics go on rank zero: names (``csv``, ``tensorboard``, ``mlflow``, ``wandb``, or one from the
     ``framework.loggers`` entry points) or Logger instances; one alone may be given as it is (``loggers="csv"``);
     CLI ``--trainer.loggers '[csv,mlflow]'``."""
     plot_metrics: Optional[bool] = None
-    """Draw ``<output_dir>/metrics.png`` from metrics.csv when training ends (losses on a log axis); None: where
-    matplotlib is installed, unless the environment sets ``FRAMEWORK_PLOT_METRICS=0``."""
+    """Draw ``<output_dir>/metrics.png`` from metrics.csv when training ends (losses on a log axis; a ``MetricsPlot`` callback);
+    None: where matplotlib is installed, unless the environment sets ``FRAMEWORK_PLOT_METRICS=0`` (this repository's tests
+    do)."""
     tensorboard: bool = False
-    """Also write TensorBoard events to ``<output_dir>/tensorboard`` (the same as adding ``"tensorboard"`` to loggers)."""
+    """Also write TensorBoard events to ``<output_dir>/tensorboard`` (the same as adding ``"tensorboard"`` to ``loggers``)."""
     preemption_signals: str = "SIGTERM,SIGINT,SIGUSR1"
     """Signals that stop training at the next step boundary with a checkpoint (exit code 75); "" catches none."""
     stop_on_nonfinite_loss: bool = True

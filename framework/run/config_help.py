@@ -55,6 +55,7 @@ def _default_text(f: dataclasses.Field) -> str:
 def _plain_text(text: str) -> str:
     """Docstring markup (``code``, :class:`~x.Y`) as plain text for the terminal."""
     text = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", text)
+    text = re.sub(r"\[([^\]]+)\]\(([^)#]+)[^)]*\)", r"\1", text)  # a docs link: its page's name
     return text.replace("``", "")
 
 
@@ -116,3 +117,52 @@ def backend_option_help(current: Mapping[str, Any]) -> List[str]:
             if declaration.help:
                 lines.append(f"        {declaration.help}")
     return lines
+
+
+ARGUMENTS_DOC = "docs/arguments.md"
+"""The arguments reference; its field tables are :func:`markdown_fields`' output, between markers."""
+
+
+def markdown_fields(cls: Type) -> str:
+    """The markdown table of ``cls``'s fields (type, default, the docstring under each field):
+    what ``docs/arguments.md`` holds between ``<!-- fields: NAME -->`` and ``<!-- /fields -->``.
+
+    Example:
+        >>> from framework.checkpoint import DefaultCheckpointerArguments
+        >>> markdown_fields(DefaultCheckpointerArguments).splitlines()[2].startswith("| `save_dir` | Optional[str] | `None` |")
+        True
+    """
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    rows = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(cls):
+        if f.init:
+            meaning = docs.get(f.name, "").replace("``", "`")
+            rows.append(f"| `{f.name}` | {type_name(hints.get(f.name, f.type))} | `{_default_text(f)}` | {meaning} |")
+    return "\n".join(rows)
+
+
+def undocumented_fields(cls: Type) -> List[str]:
+    """The fields of ``cls`` with no docstring under them (``--help`` and docs/arguments.md would
+    have nothing to say about them).
+
+    Example:
+        >>> from framework.checkpoint import DefaultCheckpointerArguments
+        >>> undocumented_fields(DefaultCheckpointerArguments)
+        []
+    """
+    docs = field_docs(cls)
+    return [f.name for f in dataclasses.fields(cls) if f.init and not docs.get(f.name)]
+
+
+def generated_arguments_doc(text: str) -> str:
+    """``text`` (``docs/arguments.md``) with every ``<!-- fields: NAME -->`` block replaced by the table
+    of the class NAME (``TrainerArguments`` or ``DefaultCheckpointerArguments``) as the code says it."""
+    from framework.checkpoint.arguments import DefaultCheckpointerArguments
+    from framework.run.arguments import TrainerArguments
+
+    classes = {cls.__name__: cls for cls in (TrainerArguments, DefaultCheckpointerArguments)}
+
+    def table(match: "re.Match[str]") -> str:
+        return f"<!-- fields: {match.group(1)} -->\n{markdown_fields(classes[match.group(1)])}\n<!-- /fields -->"
+
+    return re.sub(r"<!-- fields: (\w+) -->\n.*?<!-- /fields -->", table, text, flags=re.S)

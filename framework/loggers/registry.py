@@ -11,9 +11,12 @@ from framework.loggers.base import Logger
 class LoggerArguments(Protocol):
     """What the logger registry reads of the run's ``TrainerArguments``."""
 
-    output_dir: str
-    loggers: Sequence[Any]
-    tensorboard: bool
+    @property
+    def output_dir(self) -> str: ...
+    @property
+    def loggers(self) -> Sequence[Any]: ...
+    @property
+    def tensorboard(self) -> bool: ...
 
 
 logger = logging.getLogger("framework")

@@ -6,7 +6,7 @@ it calls, and the trainer only as callbacks see it (:class:`~framework.loop.view
 
 import logging
 import os
-from typing import Any, List, cast
+from typing import List
 
 from backends import TrainerBackend
 from backends.environments import LocalEnvironment
@@ -73,7 +73,7 @@ class RunStart:
         args, first_start = self.args, not self.started
         if not args.fast_dev_run:  # another run's output_dir: train in version_<N>; a second live run stops here
             if first_start and self.run_claim.move_if_taken():
-                self.recorder.loggers = LoggerSet(build_loggers(cast(Any, args)), active=self.recorder.loggers.active)
+                self.recorder.loggers = LoggerSet(build_loggers(args), active=self.recorder.loggers.active)
             self.run_claim.lock()  # a lock taken over by another run stops this one at its next step
         self.setup.build()  # loader, wrapped module, optimizers, the step
         self.prepare_callbacks()

@@ -121,9 +121,6 @@ def _hostile(tmp_path, attack):
         os.mkfifo(path)
     elif attack == "directory":
         os.mkdir(path)
-    elif attack == "oversized":
-        with open(path, "wb") as handle:
-            handle.truncate(run_files.RUN_ID.limit + 1)
     return path
 
 
@@ -153,11 +150,20 @@ def test_every_kind_refuses_every_odd_file_without_hanging(tmp_path, kind, attac
     assert path in str(outcome["error"]) and kind.name in str(outcome["error"])
 
 
-def test_a_file_over_its_kind_limit_is_refused_before_it_is_read(tmp_path):
-    path = _hostile(tmp_path, "oversized")
-    with pytest.raises(run_files.UnsafeRunFile, match=f"is {run_files.RUN_ID.limit + 1} bytes"):
-        run_files.read_bytes(path, run_files.RUN_ID)
-    assert run_files.read_bytes(path, run_files.CONFIG) == bytes(run_files.RUN_ID.limit + 1)
+BOUNDED = [kind for kind in run_files.KINDS if kind.limit <= 1 << 30]  # the others: a real file system's own limit
+
+
+@pytest.mark.parametrize("kind", BOUNDED, ids=[kind.name for kind in BOUNDED])
+def test_a_file_over_its_kind_limit_is_refused_before_it_is_read(tmp_path, kind):
+    """Fault: the size check dropped (a sparse file one byte over the limit would be read whole)."""
+    path = str(tmp_path / "victim")
+    with open(path, "wb") as handle:
+        handle.truncate(kind.limit + 1)  # sparse: no disk, no time
+    with pytest.raises(kind.error, match=f"is {kind.limit + 1} bytes"):
+        run_files.read_bytes(LocalFiles(), path, kind)
+    with open(path, "r+b") as handle:
+        handle.truncate(min(kind.limit, 1 << 12))
+    assert len(run_files.read_bytes(LocalFiles(), path, kind)) == min(kind.limit, 1 << 12)
 
 
 def test_a_write_replaces_a_symlink_and_never_changes_its_target(tmp_path):

@@ -165,6 +165,7 @@ class Trainer:
     batches_finished_in_epoch = OwnedBy[int]("progress", "Micro-batches of the current epoch this rank has consumed.")
     run_id = OwnedBy[Optional[str]]("checkpoint_manager", "This run's id (config.yaml, checkpoints), once set up.")
     loggers = OwnedBy[LoggerSet]("recorder", "The run's loggers (active on rank zero).")
+    sanity_checking = OwnedBy[bool]("recorder", "True during the sanity validation before training (nothing recorded).")
     # Once training is set up (train()), from configure_optimizers, get_train_dataloader and the strategy:
     optimizers = OwnedBy[List[torch.optim.Optimizer]]("training_setup", "The module's optimizers.")
     schedulers = OwnedBy[List[Any]]("training_setup", "The module's learning-rate schedulers.")
@@ -213,7 +214,7 @@ class Trainer:
                 self.hooks.call("on_begin_train", self.global_steps_finished)
                 steps = self.args.sanity_val_steps  # a few val batches first; RNG restored, nothing recorded
                 if sanity_check_due(steps, self.args.fast_dev_run, self.global_steps_finished):
-                    run_sanity_check(lambda: self._evaluate(Stage.VAL, max_batches=steps, record=False), steps)
+                    run_sanity_check(lambda: self._evaluate(Stage.VAL, max_batches=steps, record=False), steps, self.recorder)
                 save_final = True
                 try:
                     while self.progress.epochs_finished < self.args.epochs and not self._should_end_training():

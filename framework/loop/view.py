@@ -80,6 +80,9 @@ class TrainerView(Protocol):
     @property
     def checkpointing_enabled(self) -> bool: ...
 
+    @property
+    def sanity_checking(self) -> bool: ...  # True during the sanity validation before training: nothing is recorded
+
     def log_metrics(self, metrics: Dict[str, float]) -> None: ...
 
     def save_checkpoint(self, epoch: Optional[int] = None, force: bool = True) -> Optional[str]: ...

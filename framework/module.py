@@ -79,7 +79,9 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         return None
 
     def val_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
-        """Return the loss (per sample or per batch) first, then any per-sample outputs."""
+        """Return the loss (per sample or per batch) first, then any per-sample outputs; or return
+        None and only ``self.log(...)`` (Lightning's usual validation step): no ``val_loss`` then,
+        what is logged is what is recorded."""
         raise NotImplementedError(f"{type(self).__name__} returns validation loaders but does not implement val_step")
 
     def test_step(self, global_step: int, batch: Any, device: torch.device) -> Any:

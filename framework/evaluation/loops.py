@@ -23,8 +23,10 @@ class Evaluator:
     ``on_end_<stage>_epoch`` with them; the mean of the first output over every sample becomes
     ``<stage>_loss`` (``/<name>`` for named loaders), next to what the steps and the hook logged.
     A per-sample loss counts each element; a scalar loss is weighted by its batch's size, so
-    the value is exact whatever the batch sizes and the world size. A rank that got no batch
-    (fewer samples than ranks) still joins every collective.
+    the value is exact whatever the batch sizes and the world size. A step that returns None
+    (Lightning's usual validation step, which only calls ``self.log``) adds no loss and no outputs:
+    what it logged is what is recorded. A rank that got no batch (fewer samples than ranks) still
+    joins every collective.
 
     Args:
         module: the user's module.
@@ -129,7 +131,12 @@ class Evaluator:
                 if limit is not None and index >= limit:
                     break
                 batch = self.backend.move_to_device(batch)
-                outputs = as_outputs(self.backend.forward(self.runner, stage, global_step, batch, device), method)
+                returned = self.backend.forward(self.runner, stage, global_step, batch, device)
+                if returned is None:  # Lightning's usual step: it only calls self.log; no <stage>_loss then
+                    if step_hook is not None:
+                        self.hooks.call(step_hook, global_step, key=key)
+                    continue
+                outputs = as_outputs(returned, method)
                 loss = outputs[0]
                 if loss.numel():
                     losses.log(loss_name, loss, batch_size=loss.numel() if loss.dim() else infer_batch_size(batch))

@@ -42,6 +42,9 @@ class TrainerView(Protocol):
     def schedulers(self) -> List[Any]: ...
 
     @property
+    def lr_schedules(self) -> Any: ...  # LRSchedules: the schedulers with when each steps (.scheduled)
+
+    @property
     def train_step_batch_size(self) -> int: ...
 
     @property

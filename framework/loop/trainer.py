@@ -144,6 +144,7 @@ class Trainer:
         self.evaluation = TrainerEvaluation(  # validate, test, predict: outside training
             module, self.backend, self.checkpointer, args, self.evaluator, self._runner, self.progress, self.recorder,
             self.callbacks, self.run_start.prepare_callbacks, self._evaluation_batch_size, lambda: self.run_start.started,
+            self.run_claim.note_evaluation,
         )  # fmt: skip
         module.attach(self, self._metrics)
         seed_everything(args.seed)

@@ -54,6 +54,12 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     automatic_optimization: bool = True
     """False: ``train_step`` runs its own backward passes and optimizer steps."""
 
+    max_grad_norm: Optional[float] = None
+    """The module's own gradient-norm clipping under automatic optimization (None: none), used
+    when ``TrainerArguments.clip_grads`` is off (on, ``TrainerArguments.max_grad_norm`` wins):
+    :class:`~framework.integrations.transformers.PretrainedModule` sets 1.0, the transformers
+    ``Trainer``'s default."""
+
     # -- required ---------------------------------------------------------------------
     @abc.abstractmethod
     def get_optimizers_schedulers(

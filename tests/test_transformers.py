@@ -304,3 +304,16 @@ def test_the_guide_names_a_counterpart_for_every_common_training_argument():
     firsts = [row.split(" | ")[0] for row in rows]
     missing = [name for name in (*COMMON_FIELDS, "warmup_ratio") if not any(re.search(f"`{name}[`=]", c) for c in firsts)]
     assert not missing, f"docs/from-transformers.md's table lacks {missing}"
+
+
+def test_a_planless_pretrained_module_under_model_parallel_is_told_of_base_model_tp_plan(tmp_path):
+    # Fault: the refusal says nothing of the plan the model carries (mutant: transformers_plan_hint
+    # returns "" -> no base_model_tp_plan, no prefix).
+    from framework import TrainerArguments
+
+    module = PretrainedModule(llama().model, [{"input_ids": TOKENS[0], "labels": TOKENS[0]}], collate_fn=stack)
+    with pytest.raises(ValueError) as refused:
+        Trainer(module, TrainerArguments(backend="model-parallel", output_dir=str(tmp_path)))
+    message = str(refused.value)
+    assert "neither tensor_parallel_plan()" in message and "config.base_model_tp_plan ({'layers.*.self_attn.q_proj'" in message
+    assert "each name prefixed by 'model.model.'" in message and "ColwiseParallel()/RowwiseParallel()" in message

@@ -24,7 +24,6 @@ from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.ddp import reduce_over
 from backends.strategies.fsdp import FSDP, broadcast_from_rank_zero
 from backends.strategies.hsdp import DATA_DIM, HSDP_DIM_NAMES, check_replicate_size, hsdp_mesh
-from backends.strategies.meta_init import configure_model
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +303,7 @@ class ModelParallel(FSDP):
         """Split the user's module over ``tp`` (plan or ``parallelize``), then shard over ``dp``
         (``module``: the step runner)."""
         target = getattr(module, "module", module)
-        configure_model(target, on_meta=True)  # layers it builds take no memory until split and sharded
+        self.build_model(module)  # on meta: the layers it builds take no memory until split and sharded
         self.check_module(target)
         broadcast_from_rank_zero(target)  # the tensor-parallel split and the dp shards start from rank zero's weights
         if self.device_mesh is not None and self.tensor_parallel_size > 1:

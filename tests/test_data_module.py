@@ -88,3 +88,24 @@ def test_what_is_not_a_data_module_and_a_module_without_data_are_refused_by_name
         Trainer(ModelOnly(), toy_args(tmp_path / "a"), datamodule={"train": []})  # type: ignore[arg-type]
     with pytest.raises(NotImplementedError, match=r"defines no get_train_dataloader.*given no datamodule="):
         Trainer(ModelOnly(), toy_args(tmp_path / "b")).train()
+
+
+def data_module_ranks(rank: int, out: str) -> list:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    data = ToyData()
+    trainer = Trainer(ModelOnly(scheduler=None), toy_args(out, backend="ddp", train_batch_size=32), datamodule=data)
+    trainer.train()
+    trainer.close()
+    return data.calls
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # about 25 s on 2 shared cores
+def test_prepare_data_runs_on_rank_zero_only_and_setup_on_every_rank(tmp_path):
+    # Fault: prepare_data on every rank (mutant: attach_data_module calls data.prepare_data() directly).
+    from distributed import run_ranks
+
+    first, second = run_ranks(data_module_ranks, out=str(tmp_path))
+    assert first == ["prepare_data", "setup:fit"] and second == ["setup:fit"]

@@ -215,6 +215,10 @@ class TrainerBackend:
         """What forwards compute in when it is not fp32 (None); known after :meth:`setup`."""
         return self.precision.compute_dtype
 
+    def build_model(self, module: torch.nn.Module) -> None:
+        """The module's ``configure_model()``, once, as the strategy builds models (``wrap_module`` calls it too)."""
+        self.strategy.build_model(module)
+
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module training forwards go through (DDP and FSDP wrap it; the trainer has already
         let the precision convert it, see ``Precision.convert_module``)."""

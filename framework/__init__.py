@@ -8,6 +8,7 @@ import importlib
 from typing import Any
 
 from framework import deprecated_paths
+from framework.data.data_module import DataModule
 from framework.data.rng import seed_everything
 from framework.data.sample_randomness import sample_generator, sample_seed
 from framework.loop.stage import Stage
@@ -36,6 +37,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
+    "DataModule",
     "MetricNotLoggedOnEveryRank",
     "ModuleInterface",
     "Stage",

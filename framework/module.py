@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from backends.strategies.model_parallel import DEFAULT_PARALLELIZE_MARK
+from framework.data.data_module import DataModule, data_module_loader
 from framework.loop.hooks import TrainingHooks
 from framework.loop.manual_optimization import ManualOptimization, one_or_list
 from framework.loop.stage import Stage
@@ -54,6 +55,15 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     automatic_optimization: bool = True
     """False: ``train_step`` runs its own backward passes and optimizer steps."""
 
+    datamodule: Optional[DataModule] = None
+    """The :class:`~framework.DataModule` the trainer was given (``datamodule=``), or None."""
+
+    max_grad_norm: Optional[float] = None
+    """The module's own gradient-norm clipping under automatic optimization (None: none), used
+    when ``TrainerArguments.clip_grads`` is off (on, ``TrainerArguments.max_grad_norm`` wins):
+    :class:`~framework.integrations.transformers.PretrainedModule` sets 1.0, the transformers
+    ``Trainer``'s default."""
+
     # -- required ---------------------------------------------------------------------
     @abc.abstractmethod
     def get_optimizers_schedulers(
@@ -61,9 +71,15 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
     ) -> Tuple[Sequence[torch.optim.Optimizer], Sequence[Any]]:
         """Return ``(optimizers, schedulers)``; schedulers step once per optimizer step by default."""
 
-    @abc.abstractmethod
     def get_train_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
-        """Return the training loader; build its sampler with ``sampler(dataset)``."""
+        """Return the training loader; build its sampler with ``sampler(dataset)``. Required unless
+        the trainer was given a :class:`~framework.DataModule` (``datamodule=``), whose loader it is then."""
+        if self.datamodule is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} defines no get_train_dataloader(sampler, batch_size) and the Trainer was "
+                "given no datamodule=; define one of them"
+            )
+        return data_module_loader(self.datamodule, "train_dataloader", sampler, batch_size)
 
     @abc.abstractmethod
     def train_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
@@ -71,15 +87,17 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
 
     # -- optional ---------------------------------------------------------------------
     def get_val_dataloaders(self, sampler: Any, batch_size: int) -> Loaders:
-        """One loader, a dict ``{name: loader}``, or None for no validation."""
-        return None
+        """One loader, a dict ``{name: loader}``, or None for no validation (default: the data module's)."""
+        return None if self.datamodule is None else data_module_loader(self.datamodule, "val_dataloader", sampler, batch_size)
 
     def get_test_dataloaders(self, sampler: Any, batch_size: int) -> Loaders:
         """Like :meth:`get_val_dataloaders`, for :meth:`Trainer.test`."""
-        return None
+        return None if self.datamodule is None else data_module_loader(self.datamodule, "test_dataloader", sampler, batch_size)
 
     def val_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
-        """Return the loss (per sample or per batch) first, then any per-sample outputs."""
+        """Return the loss (per sample or per batch) first, then any per-sample outputs; or return
+        None and only ``self.log(...)`` (Lightning's usual validation step): no ``val_loss`` then,
+        what is logged is what is recorded."""
         raise NotImplementedError(f"{type(self).__name__} returns validation loaders but does not implement val_step")
 
     def test_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
@@ -88,8 +106,8 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
 
     def get_predict_dataloader(self, sampler: Any, batch_size: int) -> Optional[DataLoader]:
         """The loader :meth:`Trainer.predict` runs, built with ``sampler(dataset)`` (dataset order, not
-        padded: every sample is predicted once across ranks). None (the default): no prediction."""
-        return None
+        padded: every sample is predicted once across ranks). None (the default, or the data module's): no prediction."""
+        return None if self.datamodule is None else data_module_loader(self.datamodule, "predict_dataloader", sampler, batch_size)
 
     def predict_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
         """What :meth:`Trainer.predict` keeps for one batch: a tensor (first dimension: the
@@ -154,6 +172,8 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         """What a checkpoint keeps of the module: by default its ``state_dict``, and its
         :attr:`hparams` under ``"hyper_parameters"`` where :meth:`save_hyperparameters` saved any."""
         state: Dict[str, Any] = {"model": self.state_dict()}
+        if self.datamodule is not None and self.datamodule.state_dict():
+            state["datamodule"] = self.datamodule.state_dict()
         if self.hparams:
             state[HYPER_PARAMETERS_KEY] = dict(self.hparams)
         return state
@@ -163,6 +183,8 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         that saved its own keeps them (a fine-tune from another run's weights records its own
         settings); one that saved none takes the checkpoint's as :attr:`hparams`."""
         self.load_state_dict(state["model"])
+        if self.datamodule is not None and isinstance(state.get("datamodule"), dict):
+            self.datamodule.load_state_dict(state["datamodule"])
         if isinstance(state.get(HYPER_PARAMETERS_KEY), dict) and not self.hparams:
             self.__dict__["_hparams"] = AttributeDict(state[HYPER_PARAMETERS_KEY])
 

@@ -307,12 +307,37 @@ def test_learning_rate_monitor_records_the_rate_each_logged_step_used(tmp_path):
     assert history.values("lr") == pytest.approx([0.05, 0.05 * 0.5**2])
 
 
+def test_learning_rate_monitor_takes_lightnings_logging_interval(tmp_path):
+    # Lightning's keyword (mutant: logging_interval ignored -> "step" points, [2, 4, 6, 8]) and its
+    # default None: the schedulers' interval (mutant: None read as "step" -> 16 step points).
+
+    class EpochScheduler(ToyModule):
+        def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+            step = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+            return [optimizer], [{"scheduler": step, "interval": "epoch"}]
+
+    def lr_steps(name, module, monitor):
+        trainer = Trainer(module, make_args(tmp_path / name, epochs=2, log_every_n_steps=2), callbacks=[monitor])
+        return [step for step, _ in trainer.train().steps("lr")]
+
+    assert lr_steps("keyword", ToyModule(scheduler="step"), LearningRateMonitor(logging_interval="epoch")) == [0, 8]
+    assert lr_steps("default_epochly", EpochScheduler(), LearningRateMonitor()) == [0, 8]
+    assert lr_steps("default_steply", ToyModule(scheduler="step"), LearningRateMonitor(logging_interval=None)) == list(
+        range(2, 17, 2)
+    )
+    with pytest.raises(ValueError, match="logging_interval='batch' is invalid"):
+        LearningRateMonitor(logging_interval="batch")
+    with pytest.raises(ValueError, match="interval='epoch' and logging_interval='step' disagree"):
+        LearningRateMonitor(interval="epoch", logging_interval="step")
+
+
 def test_learning_rates_names_optimizers_and_groups():
     a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     first = torch.optim.SGD([{"params": a.weight, "lr": 0.1}, {"params": a.bias, "lr": 0.2}])
     second = torch.optim.Adam(b.parameters(), lr=0.3)
     assert learning_rates([first, second]) == {"lr/opt0/group0": 0.1, "lr/opt0/group1": 0.2, "lr/opt1": 0.3}
-    with pytest.raises(ValueError, match="interval='batch' is invalid; allowed: \\('step', 'epoch'\\)"):
+    with pytest.raises(ValueError, match="interval='batch' is invalid; allowed: \\('step', 'epoch'\\) or None"):
         LearningRateMonitor(interval="batch")
 
 

@@ -4,6 +4,7 @@ Everything here uses real files, real trainers and real (crafted) pickles; faili
 a real fsspec filesystem registered under the ``faultyfs`` protocol that raises OS errors.
 """
 
+import csv
 import errno
 import io
 import logging
@@ -164,6 +165,28 @@ def test_a_rerun_by_default_trains_in_a_new_version_directory_and_says_so_once(t
     assert resumed.args.output_dir == str(out) and resumed.global_steps_finished == 2 * STEPS_PER_EPOCH
     with pytest.raises(ValueError, match=r"output_dir_in_use='ask' is invalid; allowed: one of \('new_version', 'error'\)"):
         run_args(out, in_use="ask")
+
+
+def test_validate_before_train_keeps_one_run_in_one_directory(tmp_path, framework_log):
+    # The HF habit: trainer.evaluate() (here validate()) before trainer.train(). Fault: train() took the
+    # metrics.csv its own validate() wrote for another run's (mutant: RunClaim.move_if_taken ignores
+    # evaluated_first -> "holds another run" and version_1; mutant: claim_directory without own_files ->
+    # RunDirectoryInUse under output_dir_in_use="error").
+    for in_use in ("new_version", "error"):
+        out = tmp_path / in_use
+        trainer = Trainer(ToyModule(n_train=128, scheduler="step"), run_args(out, epochs=1, in_use=in_use))
+        before = trainer.validate()
+        trainer.train()
+        assert trainer.args.output_dir == str(out) and not (out / "version_1").exists()
+        with open(out / "metrics.csv", newline="") as handle:
+            rows = [(int(row["step"]), row["name"]) for row in csv.DictReader(handle)]
+        assert (0, "val_loss") in rows and (STEPS_PER_EPOCH, "val_loss") in rows  # the evaluation and the training
+        assert trainer.history.values("val_loss")[0] == before["val_loss"]
+    assert not [message for message in framework_log if "holds another run" in message]
+    # Another run's directory still sends a new run (evaluated first or not) to version_1.
+    second = Trainer(ToyModule(n_train=128, scheduler="step"), run_args(tmp_path / "new_version", epochs=1, in_use="new_version"))
+    second.train()
+    assert second.args.output_dir == str(tmp_path / "new_version" / "version_1")
 
 
 def test_explicit_save_dir_of_another_run_is_refused(tmp_path):

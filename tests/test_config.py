@@ -331,3 +331,16 @@ def test_print_config_prints_the_resolved_yaml_and_exits(capsys, examples_on_pat
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["optimizer"] == {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.01, "weight_decay": 0.0001}}
     assert printed["trainer"]["epochs"] == 10 and printed["checkpointer"]["keep_last_n"] == 2
+
+
+def test_usage_names_the_running_script(tmp_path):
+    # Fault: "usage: run.py" printed for every script (mutant: the default program back to "run.py").
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_digits.py"
+    script.write_text("from framework.run.config import parse_config\nparse_config()\n")
+    result = subprocess.run([sys.executable, str(script), "--trainer.epochz", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: train_digits.py [--config FILE.yaml]"), result.stderr
+    assert "train_digits.py: error: " in result.stderr and "run.py" not in result.stderr

@@ -138,3 +138,20 @@ def test_unknown_sections_and_unused_ones_are_refused_all_at_once(tmp_path):
 def test_a_model_that_takes_no_scheduler_refuses_the_section():
     message = error_of(["--model.class_path", "torch.nn.Linear", "--lr_scheduler.class_path", "torch.optim.lr_scheduler.StepLR"])
     assert "takes no 'lr_scheduler' argument; add one (a callable: optimizer -> scheduler)" in message
+
+
+def test_lightnings_callbacks_point_to_their_counterparts(tmp_path):
+    # Fault: a LightningCLI trainer.callbacks entry refused with "cannot import lightning" and no way
+    # on (mutant: lightning_callback_hint returns "" -> that message, neither checkpointer: nor ours).
+    config = tmp_path / "lightning.yaml"
+    config.write_text(
+        "trainer:\n  callbacks:\n"
+        "    - {class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {monitor: val_acc, save_top_k: 2}}\n"
+        "    - {class_path: lightning.pytorch.callbacks.EarlyStopping, init_args: {monitor: val_acc}}\n"
+    )
+    message = error_of(["--config", str(config)])
+    assert "trainer.callbacks[0].class_path 'lightning.pytorch.callbacks.ModelCheckpoint': Lightning's " in message
+    assert "is the checkpointer: section here" in message and "checkpointer.keep_best_n (save_top_k)" in message
+    assert "checkpointer.metric (monitor)" in message
+    assert "trainer.callbacks[1].class_path 'lightning.pytorch.callbacks.EarlyStopping': Lightning's class: use " in message
+    assert "class_path: framework.callbacks.EarlyStopping" in message

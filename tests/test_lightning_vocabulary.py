@@ -52,3 +52,44 @@ def test_an_outer_dict_with_an_unknown_key_is_refused_naming_it():
         [optimizer],
         [{"scheduler": plateau, "monitor": "val_acc"}],
     )
+
+
+class LogsOnly(ToyModule):
+    """Lightning's usual validation step: it logs and returns nothing."""
+
+    def val_step(self, global_step, batch, device):
+        x, y = batch
+        logits = self.net(x)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), batch_size=len(y))
+        self.log("val_ce", torch.nn.functional.cross_entropy(logits, y), batch_size=len(y))
+
+
+def test_a_val_step_returning_none_records_what_it_logged_and_ranks_by_it(tmp_path):
+    # Fault: a None step refused (mutant: the evaluator's `if returned is None` branch removed -> TypeError
+    # naming val_step), or its logged values lost. The logged metric drives early stopping and "best".
+    from framework.callbacks import EarlyStopping
+    from framework.checkpoint import DefaultCheckpointerArguments
+
+    checkpoints = DefaultCheckpointerArguments(metric="val_ce", mode="min", keep_best_n=1, keep_last_n=0)
+    stopper = EarlyStopping(monitor="val_acc", mode="max", patience=2)
+    args = toy_args(tmp_path, train_batch_size=32, epochs=3, sanity_val_steps=2, checkpoints=checkpoints)
+    trainer = Trainer(LogsOnly(scheduler=None), args, callbacks=[stopper])
+    trainer.train()
+    history = trainer.history
+    assert "val_loss" not in history.names()  # nothing returned: no val_loss
+    assert len(history.values("val_acc")) == len(history.values("val_ce")) == trainer.epochs_finished
+    assert stopper._seen and stopper.best == max(history.values("val_acc"))
+    ce = [(record["value"], record["step"]) for record in history.records if record["name"] == "val_ce"]
+    best_step = min(ce)[1]
+    assert best_step != ce[-1][1]  # the best is not simply the last: the ranking read val_ce
+    assert str(trainer.best_checkpoint()).endswith(f"checkpoint-{best_step:09d}.pt")
+    metrics = trainer.validate()
+    assert set(metrics) == {"val_acc", "val_ce"}
+
+
+def test_early_stopping_on_val_loss_under_a_none_val_step_names_what_is_recorded(tmp_path):
+    from framework.callbacks import EarlyStopping
+
+    trainer = Trainer(LogsOnly(scheduler=None), toy_args(tmp_path, train_batch_size=32, epochs=2), callbacks=[EarlyStopping()])
+    with pytest.raises(ValueError, match=r"monitors 'val_loss', which is never recorded.*val_acc"):
+        trainer.train()

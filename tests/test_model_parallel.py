@@ -308,3 +308,37 @@ def test_the_example_trains_on_a_2x2_mesh_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "4 process(es): data-parallel size 2, tensor-parallel size 2; final val_loss=" in result.stdout
     assert result.stdout.count("final val_loss=") == 1  # rank zero alone prints
+
+
+def backward_outside_loss_parallel(rank: int) -> str:
+    """PyTorch's own error for a train_step's `with loss_parallel():` whose backward runs outside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1,))
+    logits = distribute_tensor(torch.randn(4, 8, requires_grad=True), mesh, [Shard(-1)])
+    with loss_parallel():
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2, 3]))
+    try:
+        loss.backward()  # what the loop does after train_step returned
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
+def test_a_loss_parallel_context_of_the_modules_own_is_explained_naming_uses_loss_parallel():
+    # Fault: PyTorch's "got mixed torch.Tensor and DTensor" left unexplained (mutant: the strategy's
+    # explain_failure without the case -> None, the trainer re-raises PyTorch's words alone).
+    from backends import build_backend
+
+    (said,) = run_ranks(backward_outside_loss_parallel, world_size=1)
+    assert "got mixed torch.Tensor and DTensor" in said
+    backend = build_backend("model-parallel", TrainerArguments(backend="model-parallel"))
+    explained = backend.explain_failure(RuntimeError(said))
+    assert explained is not None and "set uses_loss_parallel = True on the module" in explained
+    assert "remove your own `with loss_parallel():`" in explained and "PyTorch said: aten." in explained
+    assert backend.explain_failure(RuntimeError("something else")) is None

@@ -140,6 +140,67 @@ def test_validate_equals_the_transformers_trainers_evaluate_on_the_same_weights(
     assert ours["val_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-6)
 
 
+def test_a_port_by_the_guide_trains_the_hf_trainers_run_clipping_included(tmp_path):
+    """Per-step losses of PretrainedModule (the guide's defaults) equal the transformers Trainer's
+    (TrainingArguments defaults but the renamed fields) within 1e-4, with its default clipping at norm
+    1.0 biting (grad norms above 1: a run without clipping is 0.08 off). Every step sees the whole
+    data set, so the two samplers' orders do not matter. Mutants: PretrainedModule(max_grad_norm=None)
+    as the default, or StepParts ignoring the module's max_grad_norm -> losses differ from step 3."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+    from transformers import Trainer as HFTrainer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, initializer_range=0.5, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    hf_model = copy.deepcopy(model)
+    data = [{"input_ids": row, "labels": row} for row in TOKENS]
+    module = PretrainedModule(model, data, collate_fn=stack, learning_rate=1e-2)
+    args = toy_args(tmp_path, train_batch_size=32, epochs=6, log_every_n_steps=1, track_grad_norm=True)
+    trainer = Trainer(module, args)
+    trainer.train()
+    ours = trainer.history.values("train_loss")
+    assert min(trainer.history.values("grad_norm")) > 1.0  # clipping bites at every step
+
+    hf_args = TrainingArguments(
+        str(tmp_path / "hf"), per_device_train_batch_size=32, num_train_epochs=6, learning_rate=1e-2, logging_steps=1,
+        report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0,
+    )  # fmt: skip
+    hf = HFTrainer(model=hf_model, args=hf_args, train_dataset=data, data_collator=stack)
+    hf.train()
+    theirs = [entry["loss"] for entry in hf.state.log_history if "loss" in entry]
+    assert len(ours) == len(theirs) == 6
+    assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def test_pretrained_module_takes_the_hf_trainers_defaults():
+    # Mutants: the default max_grad_norm None; warmup_ratio ignored (-> no warmup: rates start at 1.0).
+    module = bert()
+    assert module.max_grad_norm == 1.0 and module.adam_betas == (0.9, 0.999) and module.adam_epsilon == 1e-8
+    assert PretrainedModule(module.model, []).learning_rate == 5e-5  # TrainingArguments' (bert() passes 3e-3)
+    assert PretrainedModule(module.model, [], max_grad_norm=0).max_grad_norm is None  # 0 turns it off, as in HF
+    with pytest.raises(ValueError, match=r"max_grad_norm=-1.0 is invalid; allowed: a number > 0, or None or 0"):
+        PretrainedModule(module.model, [], max_grad_norm=-1.0)
+    with pytest.raises(ValueError, match=r"warmup_ratio=1.5 is invalid; allowed: a number in \[0, 1\]"):
+        PretrainedModule(module.model, [], warmup_ratio=1.5)
+    warmed = PretrainedModule(module.model, [], warmup_ratio=0.25)
+    [optimizer], [schedule] = warmed.get_optimizers_schedulers(10, 2)  # 20 steps: ceil(0.25 * 20) = 5 of warmup
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"] / warmed.learning_rate)
+        optimizer.step()
+        schedule.step()
+    assert rates == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    [optimizer], [schedule] = PretrainedModule(module.model, [], warmup_steps=0.25).get_optimizers_schedulers(10, 2)
+    schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-5 * 0.2)  # transformers 5's float warmup_steps
+
+
 class TensorParallelLlama(PretrainedModule):
     """A tiny Llama (``nn.Linear`` layers) with Megatron's MLP split over the tensor-parallel ranks."""
 
@@ -215,3 +276,44 @@ def test_llama_trained_on_model_parallel_1x2_loads_with_from_pretrained(tmp_path
         logits = loaded(input_ids=TOKENS[:4]).logits
     assert torch.allclose(logits, results[0]["logits"], atol=1e-5, rtol=1e-5)
     assert torch.equal(results[0]["logits"], results[1]["logits"])
+
+
+COMMON_FIELDS = (
+    "output_dir", "num_train_epochs", "max_steps", "per_device_train_batch_size", "per_device_eval_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "max_grad_norm", "warmup_steps", "lr_scheduler_type", "optim", "seed", "logging_steps",
+    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "save_total_limit", "load_best_model_at_end",
+    "metric_for_best_model", "greater_is_better", "report_to", "fp16", "bf16", "torch_compile",
+    "gradient_checkpointing", "use_cpu", "dataloader_num_workers", "ddp_find_unused_parameters",
+    "resume_from_checkpoint",
+)  # fmt: skip
+
+
+def test_the_guide_names_a_counterpart_for_every_common_training_argument():
+    # Fault: a TrainingArguments field a port needs missing from the guide (mutant: drop the
+    # max_grad_norm row -> named here), or a name that is not TrainingArguments' own.
+    import dataclasses
+    import re
+
+    from transformers import TrainingArguments
+
+    names = {field.name for field in dataclasses.fields(TrainingArguments)}  # (warmup_ratio: transformers 4 only)
+    assert set(COMMON_FIELDS) <= names, set(COMMON_FIELDS) - names
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "from-transformers.md")) as handle:
+        rows = [line for line in handle if line.startswith("| ")]
+    firsts = [row.split(" | ")[0] for row in rows]
+    missing = [name for name in (*COMMON_FIELDS, "warmup_ratio") if not any(re.search(f"`{name}[`=]", c) for c in firsts)]
+    assert not missing, f"docs/from-transformers.md's table lacks {missing}"
+
+
+def test_a_planless_pretrained_module_under_model_parallel_is_told_of_base_model_tp_plan(tmp_path):
+    # Fault: the refusal says nothing of the plan the model carries (mutant: transformers_plan_hint
+    # returns "" -> no base_model_tp_plan, no prefix).
+    from framework import TrainerArguments
+
+    module = PretrainedModule(llama().model, [{"input_ids": TOKENS[0], "labels": TOKENS[0]}], collate_fn=stack)
+    with pytest.raises(ValueError) as refused:
+        Trainer(module, TrainerArguments(backend="model-parallel", output_dir=str(tmp_path)))
+    message = str(refused.value)
+    assert "neither tensor_parallel_plan()" in message and "config.base_model_tp_plan ({'layers.*.self_attn.q_proj'" in message
+    assert "each name prefixed by 'model.model.'" in message and "ColwiseParallel()/RowwiseParallel()" in message

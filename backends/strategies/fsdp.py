@@ -19,7 +19,7 @@ from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.buffers import BufferBroadcast, broadcast_buffers
 from backends.strategies.ddp import DDP
 from backends.strategies.hsdp import check_replicate_size, checked_replicate_size, hsdp_mesh
-from backends.strategies.meta_init import configure_model, materialize
+from backends.strategies.meta_init import materialize
 from backends.strategies.units import module_units, shard_groups, units_tied_to_root
 
 logger = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class FSDP(DDP):
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Shard every unit of the user's module, then the root (``module``: the step runner)."""
         target = getattr(module, "module", module)  # the StepRunner's ModuleInterface
-        configure_model(target, on_meta=True)  # layers it builds take no memory until sharded
+        self.build_model(module)
         units = module_units(target)
         mesh = self.sharding_mesh(target) if self.distributed else None
         if mesh is None:  # nothing to shard over (one data-parallel rank)

@@ -24,7 +24,6 @@ from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.ddp import reduce_over
 from backends.strategies.fsdp import FSDP, broadcast_from_rank_zero
 from backends.strategies.hsdp import DATA_DIM, HSDP_DIM_NAMES, check_replicate_size, hsdp_mesh
-from backends.strategies.meta_init import configure_model
 
 logger = logging.getLogger(__name__)
 
@@ -297,13 +296,14 @@ class ModelParallel(FSDP):
                 f"{type(module).__name__} defines neither tensor_parallel_plan() (a dict of submodule names to "
                 "ParallelStyle, e.g. {'mlp.up': ColwiseParallel(), 'mlp.down': RowwiseParallel()}) nor "
                 "parallelize(tp_mesh); define one of them, or use a data-parallel backend (ddp, fsdp)"
+                + transformers_plan_hint(module)
             )
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Split the user's module over ``tp`` (plan or ``parallelize``), then shard over ``dp``
         (``module``: the step runner)."""
         target = getattr(module, "module", module)
-        configure_model(target, on_meta=True)  # layers it builds take no memory until split and sharded
+        self.build_model(module)  # on meta: the layers it builds take no memory until split and sharded
         self.check_module(target)
         broadcast_from_rank_zero(target)  # the tensor-parallel split and the dp shards start from rank zero's weights
         if self.device_mesh is not None and self.tensor_parallel_size > 1:
@@ -342,6 +342,20 @@ class ModelParallel(FSDP):
             return context
         return _inside_loss_parallel(context)
 
+    def explain_failure(self, error: BaseException) -> Optional[str]:
+        """Also: a loss computed under ``loss_parallel()`` whose backward ran outside it (the module's
+        own ``with loss_parallel():`` in ``train_step``) names ``uses_loss_parallel``."""
+        if "got mixed torch.Tensor and DTensor" in str(error):
+            return (
+                f"a loss on vocabulary-sharded logits had its backward outside loss_parallel() under {self.name}: "
+                f"set {LOSS_PARALLEL_ATTRIBUTE} = True on the module (a class attribute) and remove your own "
+                "`with loss_parallel():` from train_step/val_step; the strategy keeps loss_parallel() open around "
+                "each micro-batch's forward and backward and around evaluation (as torchtitan's train context), "
+                "and a nested one of yours would close it before the backward. PyTorch said: "
+                + str(error).strip().splitlines()[0][:300]
+            )
+        return super().explain_failure(error)
+
     def sharding_mesh(self, module: torch.nn.Module) -> Any:
         """The ``dp`` axis of the mesh, or ``("dp_replicate", "dp_shard")`` under HSDP (None with one
         data-parallel rank: nothing to shard)."""
@@ -359,3 +373,28 @@ class ModelParallel(FSDP):
         self.device_mesh = None
         self.loss_parallel = False
         super().teardown()
+
+
+def transformers_plan_hint(module: torch.nn.Module) -> str:
+    """A sentence for the refusal of a module without a plan when it holds a ``transformers`` model:
+    such models carry ``config.base_model_tp_plan`` (their base model's split, as strings), and where
+    that base model sits; "" otherwise.
+
+    Example:
+        >>> transformers_plan_hint(torch.nn.Linear(2, 2))
+        ''
+    """
+    for name, child in module.named_modules():
+        plan = getattr(getattr(child, "config", None), "base_model_tp_plan", None)
+        base = getattr(child, "base_model", None)
+        if not plan or not isinstance(base, torch.nn.Module):
+            continue
+        prefix = next((f"{inner}." for inner, sub in module.named_modules() if sub is base and inner), "")
+        example = ", ".join(f"{key!r}: {value!r}" for key, value in list(plan.items())[:2])
+        return (
+            f". {name or type(module).__name__} is a transformers model: its config.base_model_tp_plan "
+            f"({{{example}, ...}}) is its base model's split; tensor_parallel_plan() can return it with each "
+            f"name prefixed by {prefix!r} and 'colwise'/'rowwise' as ColwiseParallel()/RowwiseParallel() "
+            "(a '*' expanded to each layer's index)"
+        )
+    return ""

@@ -202,13 +202,24 @@ class Strategy:
         module's ``configure_model()`` first, and allocates and initializes layers built on the
         meta device (see :mod:`backends.strategies.meta_init`)."""
         target = getattr(module, "module", module)
-        with torch.random.fork_rng(devices=[]):  # the layers it builds are drawn from the run's seed
-            torch.manual_seed(torch.initial_seed())
-            configure_model(target, on_meta=False)
+        self.build_model(module)
         if has_meta_tensors(target):  # built under torch.device("meta"): allocated and initialized here
             materialize(target, self.device)
         self.compile_units(target, module_units(target))
         return module
+
+    def build_model(self, module: torch.nn.Module) -> None:
+        """Call the module's ``configure_model()`` once, as this strategy builds models (here: as it
+        is, its layers drawn from the run's seed; the sharding strategies: on the meta device).
+        :meth:`wrap_module` calls it; the trainer calls it first where the built layers must be
+        seen before wrapping (activation checkpointing's units). ``module``: the step runner."""
+        target = getattr(module, "module", module)
+        if self.shards_parameters:  # fsdp, model-parallel: no memory until sharded, then each rank's shards
+            configure_model(target, on_meta=True)
+            return
+        with torch.random.fork_rng(devices=[]):  # the layers it builds are drawn from the run's seed
+            torch.manual_seed(torch.initial_seed())
+            configure_model(target, on_meta=False)
 
     def compile_units(self, module: torch.nn.Module, units: List[torch.nn.Module]) -> None:
         """With ``compile`` on, ``torch.compile`` each unit in place (see :func:`backends.strategies.units.compile_units`)."""

@@ -1,6 +1,6 @@
 """LearningRateMonitor: record the learning rate of every optimizer's parameter groups."""
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -34,26 +34,46 @@ class LearningRateMonitor(Callback):
 
     With ``interval="step"`` the rates are recorded at every ``log_every_n_steps`` point and
     are the rates the optimizer step just taken used; with ``"epoch"``, once at the start of
-    each epoch. Rates are Python floats on the host: no device sync.
+    each epoch; with None (the default, as Lightning's), at the schedulers' own interval:
+    ``"epoch"`` when every scheduler steps per epoch, else ``"step"`` (also without schedulers).
+    Rates are Python floats on the host: no device sync.
 
     Args:
-        interval: ``step`` or ``epoch``.
+        interval: ``"step"``, ``"epoch"`` or None.
         prefix: metric name prefix.
+        logging_interval: Lightning's name for ``interval`` (give one of the two).
 
     Example:
-        trainer = Trainer(module, args, callbacks=[LearningRateMonitor()])
-        trainer.train()
-        trainer.history.values("lr")
+        >>> LearningRateMonitor(logging_interval="epoch").interval  # Lightning's spelling
+        'epoch'
+        >>> LearningRateMonitor(interval="epoch", logging_interval="step")
+        Traceback (most recent call last):
+        ...
+        ValueError: LearningRateMonitor interval='epoch' and logging_interval='step' disagree; give one of them ...
     """
 
-    def __init__(self, interval: str = "step", prefix: str = "lr") -> None:
-        if interval not in _INTERVALS:
-            raise ValueError(f"LearningRateMonitor interval={interval!r} is invalid; allowed: {_INTERVALS}")
+    def __init__(self, interval: Optional[str] = None, prefix: str = "lr", logging_interval: Optional[str] = None) -> None:
+        if interval is not None and logging_interval is not None and interval != logging_interval:
+            raise ValueError(
+                f"LearningRateMonitor interval={interval!r} and logging_interval={logging_interval!r} disagree; "
+                "give one of them (logging_interval is Lightning's name for interval)"
+            )
+        name, chosen = ("interval", interval) if interval is not None else ("logging_interval", logging_interval)
+        if chosen is not None and chosen not in _INTERVALS:
+            raise ValueError(f"LearningRateMonitor {name}={chosen!r} is invalid; allowed: {_INTERVALS} or None")
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"LearningRateMonitor prefix={prefix!r} is invalid; allowed: a non-empty string")
-        self.interval = interval
+        self.interval: Optional[str] = chosen
+        """``"step"``, ``"epoch"``, or None until training starts (then the schedulers' interval)."""
         self.prefix = prefix
+        self._asked = chosen
         self._pending: Dict[str, float] = {}
+
+    def on_begin_train(self, global_step: int) -> None:
+        if self._asked is None:  # Lightning's None: the schedulers' own interval
+            scheduled = self.trainer.lr_schedules.scheduled
+            epochly = bool(scheduled) and all(entry.interval == "epoch" for entry in scheduled)
+            self.interval = "epoch" if epochly else "step"
 
     def on_end_backward(self, global_step: int, loss: torch.Tensor) -> None:
         # The optimizer step about to happen ends step global_step + 1: if that is a log

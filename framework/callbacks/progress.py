@@ -314,7 +314,7 @@ class ProgressBar(Callback):
             self._evaluation = None
 
     def on_begin_val_epoch(self, global_step: int, key: str) -> None:
-        self._begin_evaluation("validating", key)
+        self._begin_evaluation("sanity checking" if self.trainer.sanity_checking else "validating", key)
 
     def on_end_val_step(self, global_step: int, *outputs: Any, key: str) -> None:
         self._advance_evaluation()

@@ -23,8 +23,10 @@ class Evaluator:
     ``on_end_<stage>_epoch`` with them; the mean of the first output over every sample becomes
     ``<stage>_loss`` (``/<name>`` for named loaders), next to what the steps and the hook logged.
     A per-sample loss counts each element; a scalar loss is weighted by its batch's size, so
-    the value is exact whatever the batch sizes and the world size. A rank that got no batch
-    (fewer samples than ranks) still joins every collective.
+    the value is exact whatever the batch sizes and the world size. A step that returns None
+    (Lightning's usual validation step, which only calls ``self.log``) adds no loss and no outputs:
+    what it logged is what is recorded. A rank that got no batch (fewer samples than ranks) still
+    joins every collective.
 
     Args:
         module: the user's module.
@@ -70,7 +72,8 @@ class Evaluator:
     def run(
         self, stage: Stage, global_step: int, batch_size: int, max_batches: Optional[int] = None, record: bool = True
     ) -> Dict[str, float]:
-        """Evaluate every loader of ``stage``; with ``record=False`` (sanity checks) only run the steps."""
+        """Evaluate every loader of ``stage``; with ``record=False`` (sanity checks) run the steps and
+        the hooks, as a recorded evaluation does, but record nothing they measured or logged."""
         results: Dict[str, float] = {}
         loaders = self.loaders(stage, batch_size)
         if not loaders:  # nothing to evaluate: the model stays as it is (train/eval walks every submodule)
@@ -81,19 +84,19 @@ class Evaluator:
         self.module.eval()
         try:
             for key, loader in loaders.items():
-                limit = max_batches or _batch_limit(self.args.max_val_steps_per_epoch, loader)
+                limits = (max_batches, _batch_limit(self.args.max_val_steps_per_epoch, loader))  # sanity: the smaller
+                limit = min((n for n in limits if n is not None), default=None)
                 self.current_batches = _planned_batches(loader, limit)
-                if record:
-                    self.hooks.call(f"on_begin_{stage.value}_epoch", global_step, key=key)
-                step_hook = f"on_end_{stage.value}_step" if record else None
-                collected = self._run_steps(stage, global_step, loader, limit, losses, step_hook, key)
-                if not record:
-                    losses.pop_epoch()
-                    collector.reset_metric_objects()  # a sanity check's updates never count
-                    continue
+                self.hooks.call(f"on_begin_{stage.value}_epoch", global_step, key=key)
+                collected = self._run_steps(stage, global_step, loader, limit, losses, f"on_end_{stage.value}_step", key)
                 outputs = self.backend.gather_in_dataset_order(concatenate_outputs(collected))
                 suffix = f"/{key}" if key else ""
                 self.hooks.call(f"on_end_{stage.value}_epoch", global_step, *outputs, key=key)
+                if not record:  # a sanity check: the hooks ran, what they and the steps logged is dropped
+                    collector.reset_metric_objects()  # a sanity check's updates never count (no compute())
+                    for dropped in (losses, collector):
+                        dropped.pop_epoch()
+                    continue
                 loss_name = f"{stage.value}_loss"
                 logged = collector.pop_epoch(self.backend.all_gather_object)  # ranks agree on Metric objects first
                 to_reduce = {**{f"/{name}": value for name, value in logged.items()}, **losses.pop_epoch()}
@@ -128,7 +131,12 @@ class Evaluator:
                 if limit is not None and index >= limit:
                     break
                 batch = self.backend.move_to_device(batch)
-                outputs = as_outputs(self.backend.forward(self.runner, stage, global_step, batch, device), method)
+                returned = self.backend.forward(self.runner, stage, global_step, batch, device)
+                if returned is None:  # Lightning's usual step: it only calls self.log; no <stage>_loss then
+                    if step_hook is not None:
+                        self.hooks.call(step_hook, global_step, key=key)
+                    continue
+                outputs = as_outputs(returned, method)
                 loss = outputs[0]
                 if loss.numel():
                     losses.log(loss_name, loss, batch_size=loss.numel() if loss.dim() else infer_batch_size(batch))

@@ -31,6 +31,8 @@ class TrainerEvaluation:
         prepare_callbacks: hands the callbacks the trainer before a run of hooks.
         batch_size: the evaluation batch per process now (the micro-batch search may change it).
         resumed: whether the trainer restored a checkpoint (so its weights are known ones).
+        before_first_write: called before an evaluation outside training starts the loggers while
+            training never started (``RunClaim.note_evaluation``: the directory stays this run's).
 
     Example:
         trainer.evaluation.validate(checkpoint="best")   # what trainer.validate(...) calls
@@ -50,10 +52,12 @@ class TrainerEvaluation:
         prepare_callbacks: Callable[[], None],
         batch_size: Callable[[], int],
         resumed: Callable[[], bool],
+        before_first_write: Callable[[], None] = lambda: None,
     ) -> None:
         self.module, self.backend, self.checkpointer, self.args = module, backend, checkpointer, args
         self.evaluator, self.runner, self.progress, self.recorder = evaluator, runner, progress, recorder
         self.callbacks, self.prepare_callbacks, self.batch_size, self.resumed = callbacks, prepare_callbacks, batch_size, resumed
+        self.before_first_write = before_first_write
         self.weights_loaded = False  # validate/test/predict loaded a checkpoint's weights
 
     def load_checkpoint_weights(self, checkpoint: Optional[str], method: str) -> Optional[str]:
@@ -87,6 +91,8 @@ class TrainerEvaluation:
         """``stage``'s loaders once, outside training, with the loggers started and finished."""
         self.load_checkpoint_weights(checkpoint, "validate" if stage is Stage.VAL else "test")
         self.prepare_callbacks()
+        if not self.resumed():  # training never started here: the files written now are its run's
+            self.before_first_write()
         self.recorder.start_loggers()
         try:  # no scheduler steps, no progress counters: this is not training
             return self.evaluator.run(stage, self.progress.global_steps_finished, self.batch_size())

@@ -6,14 +6,16 @@ and a module that trains a ``PreTrainedModel`` as the ``transformers`` ``Trainer
   (and ``generation_config.json`` for generative models), ``model.safetensors`` or, above
   ``max_shard_size``, ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
   Collective: every backend (fsdp and model-parallel gather the shards first).
-- :class:`PretrainedModule` trains a ``PreTrainedModel``: the loss is ``outputs.loss``, the
-  optimizer AdamW with the ``Trainer``'s weight-decay groups (no decay for biases and norm
-  weights), the schedule linear warmup then linear decay; ``generate`` is the model's own.
+- :class:`PretrainedModule` trains a ``PreTrainedModel`` with the ``Trainer``'s defaults: the loss
+  is ``outputs.loss``, the optimizer AdamW with the ``Trainer``'s weight-decay groups (no decay
+  for biases and norm weights), the schedule linear warmup then linear decay, the gradients
+  clipped to norm 1.0 (``max_grad_norm``); ``generate`` is the model's own.
 
 Needs ``transformers`` (``pip install transformers``); see ``docs/from-transformers.md``.
 """
 
 import logging
+import math
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -161,7 +163,12 @@ class PretrainedModule(ModuleInterface):
         model: the ``PreTrainedModel`` (with a head that computes a loss from ``labels``).
         train_dataset / eval_dataset: map-style datasets of examples.
         collate_fn: turns a list of examples into a batch dict (e.g. ``DataCollatorWithPadding``).
-        learning_rate, weight_decay, warmup_steps, adam_epsilon: as ``TrainingArguments`` names them.
+        learning_rate, weight_decay, warmup_steps, warmup_ratio, adam_beta1, adam_beta2, adam_epsilon,
+            max_grad_norm: as ``TrainingArguments`` names them, with its defaults: gradients are
+            clipped to total norm 1.0 (``max_grad_norm=None`` or ``0`` turns clipping off, as there;
+            ``TrainerArguments(clip_grads=True, max_grad_norm=...)`` overrides it). ``warmup_ratio``
+            counts ``ceil(ratio * total steps)`` warmup steps when ``warmup_steps`` is 0 (transformers
+            4's field); a ``warmup_steps`` below 1 is that ratio (transformers 5's spelling).
 
     Example (docs/from-transformers.md runs it whole; tests/test_transformers.py trains it)::
 
@@ -178,11 +185,21 @@ class PretrainedModule(ModuleInterface):
         collate_fn: Optional[Callable[[Sequence[Any]], Any]] = None,
         learning_rate: float = 5e-5,
         weight_decay: float = 0.0,
-        warmup_steps: int = 0,
+        warmup_steps: float = 0,
         adam_epsilon: float = 1e-8,
+        max_grad_norm: Optional[float] = 1.0,
+        warmup_ratio: float = 0.0,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
     ) -> None:
         super().__init__()
         pretrained_prefix(model)
+        if isinstance(max_grad_norm, bool) or not (max_grad_norm is None or max_grad_norm >= 0):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid; allowed: a number > 0, or None or 0 (no clipping)")
+        if not 0.0 <= warmup_ratio <= 1.0:
+            raise ValueError(f"warmup_ratio={warmup_ratio!r} is invalid; allowed: a number in [0, 1]")
+        self.max_grad_norm = float(max_grad_norm) if max_grad_norm else None  # the transformers Trainer clips at 1.0
+        self.warmup_ratio, self.adam_betas = warmup_ratio, (adam_beta1, adam_beta2)
         self.model = model
         self.train_dataset, self.eval_dataset, self.collate_fn = train_dataset, eval_dataset, collate_fn
         self.learning_rate, self.weight_decay, self.warmup_steps, self.adam_epsilon = (
@@ -197,8 +214,11 @@ class PretrainedModule(ModuleInterface):
 
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Tuple[List[Any], List[Any]]:
         groups = no_decay_parameter_groups(self.model, self.weight_decay)
-        optimizer = torch.optim.AdamW(groups, lr=self.learning_rate, eps=self.adam_epsilon)
-        return [optimizer], [linear_warmup_decay(optimizer, self.warmup_steps, estimated_global_steps_per_epoch * epochs)]
+        optimizer = torch.optim.AdamW(groups, lr=self.learning_rate, betas=self.adam_betas, eps=self.adam_epsilon)
+        total = estimated_global_steps_per_epoch * epochs
+        ratio = self.warmup_steps if 0 < self.warmup_steps < 1 else self.warmup_ratio  # transformers 5: a float < 1
+        warmup = int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(ratio * total)  # get_warmup_steps
+        return [optimizer], [linear_warmup_decay(optimizer, warmup, total)]
 
     def get_train_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
         return DataLoader(

@@ -42,7 +42,8 @@ class TrainingHooks:
         """Before each validation loader (``key`` is its name, ``""`` for a single loader)."""
 
     def on_end_val_step(self, global_step: int, *outputs: Any, key: str) -> None:
-        """After each validation batch, with what ``val_step`` returned (not during sanity checks)."""
+        """After each validation batch, with what ``val_step`` returned (also during the sanity
+        check before training, as every validation hook: ``self.trainer.sanity_checking`` tells)."""
 
     def on_end_val_epoch(self, global_step: int, *outputs: Any, key: str) -> None:
         """After each validation loader, with every ``val_step`` output gathered in dataset order."""

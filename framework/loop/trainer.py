@@ -15,6 +15,7 @@ from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer
 from framework.checkpoint.default import default_checkpointer
+from framework.data.data_module import DataModule, attach_data_module
 from framework.data.rng import seed_everything
 from framework.data.train_loader import TrainLoader
 from framework.evaluation.loops import Evaluator
@@ -67,6 +68,7 @@ class Trainer:
         callbacks: called after the module's own hooks, in this order. A model summary and a
             progress bar are put first unless ``args.model_summary=False``/``args.disable_tqdm``
             or one of the kind is given.
+        datamodule: a :class:`~framework.DataModule` serving the loaders the module does not define.
 
     Example:
         trainer = Trainer(module=MyModule(), args=TrainerArguments(epochs=3))
@@ -81,6 +83,7 @@ class Trainer:
         trainer_backend: Optional[TrainerBackend] = None,
         checkpointer: Optional[AbstractCheckpointer] = None,
         callbacks: Sequence[Callback] = (),
+        datamodule: Optional[DataModule] = None,
     ) -> None:
         args = args if args is not None else TrainerArguments()
         checks.check_trainer_inputs(module, args, trainer_backend)
@@ -144,10 +147,12 @@ class Trainer:
         self.evaluation = TrainerEvaluation(  # validate, test, predict: outside training
             module, self.backend, self.checkpointer, args, self.evaluator, self._runner, self.progress, self.recorder,
             self.callbacks, self.run_start.prepare_callbacks, self._evaluation_batch_size, lambda: self.run_start.started,
+            self.run_claim.note_evaluation,
         )  # fmt: skip
         module.attach(self, self._metrics)
         seed_everything(args.seed)
         try:  # rank and world size are known; nothing is built from the module yet
+            attach_data_module(module, datamodule, self.backend)  # prepare_data() on rank zero, every rank waiting
             checks.check_module_setup(module)
             module.setup()
         except BaseException:
@@ -165,6 +170,7 @@ class Trainer:
     batches_finished_in_epoch = OwnedBy[int]("progress", "Micro-batches of the current epoch this rank has consumed.")
     run_id = OwnedBy[Optional[str]]("checkpoint_manager", "This run's id (config.yaml, checkpoints), once set up.")
     loggers = OwnedBy[LoggerSet]("recorder", "The run's loggers (active on rank zero).")
+    sanity_checking = OwnedBy[bool]("recorder", "True during the sanity validation before training (nothing recorded).")
     # Once training is set up (train()), from configure_optimizers, get_train_dataloader and the strategy:
     optimizers = OwnedBy[List[torch.optim.Optimizer]]("training_setup", "The module's optimizers.")
     schedulers = OwnedBy[List[Any]]("training_setup", "The module's learning-rate schedulers.")
@@ -192,9 +198,8 @@ class Trainer:
 
     @property
     def estimated_global_steps_per_epoch(self) -> Optional[int]:
-        """Optimizer steps per epoch: exact when the train loader has a length, else None
-        (or ``max_train_steps_per_epoch`` when that is an int). A last, partial accumulation
-        cycle counts as a step."""
+        """Optimizer steps per epoch: exact when the train loader has a length, else None (or
+        ``max_train_steps_per_epoch`` when that is an int); a last, partial accumulation cycle counts."""
         return self.training_setup.loader().steps_per_epoch
 
     # -- training -----------------------------------------------------------------------
@@ -213,7 +218,7 @@ class Trainer:
                 self.hooks.call("on_begin_train", self.global_steps_finished)
                 steps = self.args.sanity_val_steps  # a few val batches first; RNG restored, nothing recorded
                 if sanity_check_due(steps, self.args.fast_dev_run, self.global_steps_finished):
-                    run_sanity_check(lambda: self._evaluate(Stage.VAL, max_batches=steps, record=False), steps)
+                    run_sanity_check(lambda: self._evaluate(Stage.VAL, max_batches=steps, record=False), steps, self.recorder)
                 save_final = True
                 try:
                     while self.progress.epochs_finished < self.args.epochs and not self._should_end_training():
@@ -322,13 +327,11 @@ class Trainer:
             self.save_checkpoint(progress.epochs_finished, force=False)
 
     def _call_end_train_epoch(self) -> None:
-        outputs = concatenate_outputs(self.training_step.kept_outputs)
-        self.training_step.kept_outputs = []
+        outputs, self.training_step.kept_outputs = concatenate_outputs(self.training_step.kept_outputs), []
         self.hooks.call("on_end_train_epoch", self.progress.global_steps_finished, *outputs)
 
     def _should_end_training(self) -> bool:
-        progress = self.progress
-        return self.stopping.should_end(progress.epochs_finished, progress.global_steps_finished)
+        return self.stopping.should_end(self.progress.epochs_finished, self.progress.global_steps_finished)
 
     # -- checkpoints (framework/loop/checkpoint_manager.py) ------------------------------
     def save_checkpoint(self, epoch: Optional[int] = None, force: bool = True) -> Optional[str]:
@@ -362,8 +365,7 @@ class Trainer:
         """Run the validation loaders once; return the recorded metrics.
 
         ``checkpoint``: None evaluates the current weights; ``"last"``, ``"best"`` or a path
-        loads those weights first, the same file on every rank (see ``docs/evaluation.md``).
-        """
+        loads those weights first, the same file on every rank (see ``docs/evaluation.md``)."""
         return self.evaluation.validate(checkpoint)
 
     def test(self, checkpoint: Optional[str] = None) -> Dict[str, float]:

@@ -89,6 +89,7 @@ class TrainingSetup:
         self.loader()
         if self.wrapped_module is None:
             if self.args.activation_checkpointing:  # before the strategy compiles and shards the units
+                self.backend.build_model(self.runner)  # configure_model() first: the units may be built there
                 units = checkpoint_units(self.module)
                 kinds = ", ".join(sorted({type(unit).__name__ for unit in units}))
                 logger.info("activation checkpointing: %d units (%s) recompute their activations in backward", len(units), kinds)

@@ -42,6 +42,9 @@ class TrainerView(Protocol):
     def schedulers(self) -> List[Any]: ...
 
     @property
+    def lr_schedules(self) -> Any: ...  # LRSchedules: the schedulers with when each steps (.scheduled)
+
+    @property
     def train_step_batch_size(self) -> int: ...
 
     @property
@@ -79,6 +82,9 @@ class TrainerView(Protocol):
 
     @property
     def checkpointing_enabled(self) -> bool: ...
+
+    @property
+    def sanity_checking(self) -> bool: ...  # True during the sanity validation before training: nothing is recorded
 
     def log_metrics(self, metrics: Dict[str, float]) -> None: ...
 

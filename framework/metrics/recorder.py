@@ -51,6 +51,8 @@ class MetricRecorder:
         self.args, self.backend, self.progress, self.history = args, backend, progress, history
         self.loggers, self.hooks, self.collector, self.losses = loggers, hooks, collector, losses
         self.hidden_names: Callable[[], Set[str]] = set  # names logged with logger=False (the trainer sets the module's)
+        self.sanity_checking = False
+        """True during the sanity validation before training (``trainer.sanity_checking``): nothing is recorded."""
 
     def log_train_metrics(self, stop_flags: List[bool]) -> List[bool]:
         """Read the loss since the last log point (and logged step values) back from the device,
@@ -99,8 +101,9 @@ class MetricRecorder:
         return reduce_metrics(collected, self.backend.data_parallel_all_reduce, self.backend.device, gather)
 
     def record(self, metrics: Dict[str, float]) -> None:
-        """Add ``metrics`` to the history, the loggers (rank zero) and the ``on_log_metrics`` hooks."""
-        if not metrics:
+        """Add ``metrics`` to the history, the loggers (rank zero) and the ``on_log_metrics`` hooks
+        (nothing while :attr:`sanity_checking`: Lightning keeps nothing its sanity check logs)."""
+        if not metrics or self.sanity_checking:
             return
         step, epoch = self.progress.global_steps_finished, self.progress.epochs_finished
         records = [self.history.add(name, value, step, epoch) for name, value in metrics.items()]

@@ -73,7 +73,8 @@ class TrainerArguments(_CarriesRunConfig):
     """Also validate every N optimizer steps, mid-epoch."""
     sanity_val_steps: int = 2
     """Run this many batches of each validation loader before training starts (Lightning's
-    ``num_sanity_val_steps``), recording nothing and restoring the random state; 0 turns it off.
+    ``num_sanity_val_steps``): the whole validation loop, hooks included, with
+    ``trainer.sanity_checking`` true, recording nothing and restoring the random state; 0 turns it off.
     Only in a run that starts at step 0 (not on resume) and not under ``fast_dev_run``."""
     fast_dev_run: bool = False
     """One train and one validation batch through every hook; no checkpoints or files."""

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from framework.run.bounded_repr import bounded_repr
+from framework.run.lightning_names import lightning_callback_hint
 
 OPTIMIZER_SECTION = "optimizer"
 SCHEDULER_SECTION = "lr_scheduler"
@@ -240,6 +241,10 @@ def check_callbacks(specs: Any) -> List[str]:
         where = f"trainer.callbacks[{index}]"
         if not isinstance(spec, Mapping):
             errors.append(f"{where} must be a mapping {{class_path, init_args}}, got {bounded_repr(spec)}")
+            continue
+        hint = lightning_callback_hint(str(spec.get("class_path", "")))
+        if hint:
+            errors.append(f"{where}.class_path {bounded_repr(spec.get('class_path'))}: {hint}")
             continue
         found = check_class_spec(where, spec)
         if not found:

@@ -160,7 +160,7 @@ def own_copy(args: TrainerArguments) -> TrainerArguments:
 def parse_config(
     sections: Optional[Mapping[str, Type]] = None,
     argv: Optional[Sequence[str]] = None,
-    program: str = "run.py",
+    program: Optional[str] = None,
     exit_on_error: Optional[bool] = None,
 ) -> RunConfig:
     """Build every section from defaults, then ``--config FILE``, then CLI overrides.
@@ -169,7 +169,7 @@ def parse_config(
         sections: extra ``{name: dataclass}`` sections (the user's own); ``trainer`` and
             ``checkpointer`` are always there.
         argv: command-line arguments (default: ``sys.argv[1:]``).
-        program: the name shown by ``--help`` and in error messages.
+        program: the name shown by ``--help`` and in errors (default: the script's name, as argparse's ``prog``).
         exit_on_error: print ``usage`` and ``<program>: error: <message>`` to stderr and exit
             with status 2 (as argparse does) instead of raising :class:`ConfigError`.
             Default: True when ``argv`` is None (a real command line), else False.
@@ -188,7 +188,7 @@ def parse_config(
         >>> config.model.width
         128
     """
-    classes = dict(DEFAULT_SECTIONS)
+    classes, program = dict(DEFAULT_SECTIONS), program or os.path.basename(sys.argv[0]) or "run.py"
     for name, cls in (sections or {}).items():
         if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
             raise TypeError(f"section {name!r} must be a dataclass type, got {cls!r}")

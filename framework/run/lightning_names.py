@@ -29,3 +29,35 @@ LIGHTNING_HINTS = {
     "trainer.callbacks": "a list of {class_path, init_args} (given here as something else)",
 }
 """Lightning's names that have no one-to-one field here: refused with where the setting lives."""
+
+LIGHTNING_CALLBACK_MODULES = ("lightning.pytorch.callbacks", "pytorch_lightning.callbacks")
+"""Where Lightning's callbacks live; a ``class_path`` there names ``framework.callbacks``' class of the same name."""
+MODEL_CHECKPOINT = (
+    "Lightning's ModelCheckpoint is the checkpointer: section here, not a callback: "
+    "checkpointer.metric (monitor), checkpointer.mode (mode), checkpointer.keep_best_n (save_top_k), "
+    "checkpointer.keep_last_n (0: only the best), checkpointer.period (every_n_epochs), "
+    "checkpointer.save_every_n_steps (every_n_train_steps), checkpointer.save_dir (dirpath), "
+    "checkpointer.save_at_end (save_last); e.g. checkpointer: {metric: val_acc, mode: max, keep_best_n: 2, keep_last_n: 0}"
+)
+"""The refusal of a ``ModelCheckpoint`` in ``trainer.callbacks``: where each of its arguments lives."""
+
+
+def lightning_callback_hint(class_path: str) -> str:
+    """The message for a ``trainer.callbacks`` entry naming one of Lightning's callbacks ("" for others):
+    ``ModelCheckpoint`` points to the ``checkpointer:`` section, the others to ``framework.callbacks``.
+
+    Example:
+        >>> lightning_callback_hint("lightning.pytorch.callbacks.EarlyStopping")
+        "Lightning's class: use class_path: framework.callbacks.EarlyStopping (the same arguments)"
+        >>> lightning_callback_hint("lightning.pytorch.callbacks.ModelCheckpoint")[:51]
+        "Lightning's ModelCheckpoint is the checkpointer: se"
+    """
+    module, _, name = class_path.rpartition(".")
+    if name == "ModelCheckpoint":
+        return MODEL_CHECKPOINT
+    if module.startswith(LIGHTNING_CALLBACK_MODULES):
+        import framework.callbacks as ours
+
+        if hasattr(ours, name):
+            return f"Lightning's class: use class_path: framework.callbacks.{name} (the same arguments)"
+    return ""

@@ -15,7 +15,7 @@ from backends import TrainerBackend
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.default import DefaultCheckpointer
 from framework.run.arguments import TrainerArguments
-from framework.run.run_directory import choose_run_directory, claim_run_directory, locked_directories
+from framework.run.run_directory import choose_run_directory, claim_run_directory, locked_directories, previous_run_files
 from framework.run.run_lock import RunLockLost, RunLocks, claim_run_lock
 from framework.run.shared_storage import check_shared_storage, run_directories
 
@@ -52,11 +52,25 @@ class RunClaim:
         self.args, self.checkpointer, self.backend, self.on_lost = args, checkpointer, backend, on_lost
         self.locks: Optional[RunLocks] = None
         """Rank zero's locks while training runs (None on the other ranks and between runs)."""
+        self.evaluated_first: Optional[bool] = None
+        """Whether ``output_dir`` held no run's files when an evaluation before training first wrote
+        there (None: no such evaluation); True makes those files this run's own."""
+
+    def note_evaluation(self) -> None:
+        """Before ``validate()``/``test()`` outside training writes its first file: remember whether
+        ``output_dir`` was free, so that a ``train()`` after it continues there (one run, one
+        directory) instead of moving to ``version_<N>`` away from its own evaluation."""
+        if self.evaluated_first is None and not self.args.fast_dev_run:
+            output_dir = self.args.output_dir
+            free = self.backend.run_on_rank_zero(lambda: not previous_run_files(output_dir), "failed to look at output_dir")
+            self.evaluated_first = bool(free)
 
     def move_if_taken(self) -> bool:
         """Move ``args.output_dir`` to ``<output_dir>/version_<N>`` when it holds another run this run
         does not continue (and say so once); True when it moved."""
         args = self.args
+        if self.evaluated_first:  # the files there are this run's own evaluation's
+            return False
         chosen = choose_run_directory(args.output_dir, args.output_dir_in_use, self.checkpointer, self.backend)
         if chosen == args.output_dir:
             return False
@@ -83,7 +97,7 @@ class RunClaim:
     def claim_directory(self) -> None:
         """Before anything is written: refuse an ``output_dir`` with another run's files (unless this
         run continues it) and let the checkpointer prepare its directory."""
-        claim_run_directory(self.args.output_dir, self.checkpointer, self.backend)
+        claim_run_directory(self.args.output_dir, self.checkpointer, self.backend, own_files=bool(self.evaluated_first))
 
     def check(self) -> None:
         """Raise :class:`RunLockLost` on every rank when rank zero's lock was taken over (before any write)."""

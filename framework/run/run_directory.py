@@ -141,13 +141,16 @@ def choose_run_directory(output_dir: str, in_use: str, checkpointer: "AbstractCh
     return backend.run_on_rank_zero(choose, "failed to choose the run directory")
 
 
-def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", backend: "TrainerBackend") -> None:
+def claim_run_directory(
+    output_dir: str, checkpointer: "AbstractCheckpointer", backend: "TrainerBackend", own_files: bool = False
+) -> None:
     """At setup, before anything is written: check ``output_dir`` and the checkpointer's directory.
 
     Rank zero (the rank that writes) runs :func:`check_output_dir_free` with
     ``checkpointer.continues_existing_run()`` and then ``checkpointer.prepare_run()``; its
     outcome is shared (``backend.run_on_rank_zero``), so every rank raises together instead
-    of waiting in a collective. Call it on every rank.
+    of waiting in a collective. Call it on every rank. ``own_files``: the files in ``output_dir``
+    are this run's own (its ``validate()`` before ``train()`` wrote them into a free directory).
 
     Raises:
         RunDirectoryInUse: on rank zero, as raised there; on the other ranks, with its message.
@@ -157,7 +160,7 @@ def claim_run_directory(output_dir: str, checkpointer: "AbstractCheckpointer", b
     """
 
     def claim() -> None:
-        check_output_dir_free(output_dir, checkpointer.continues_existing_run())
+        check_output_dir_free(output_dir, own_files or checkpointer.continues_existing_run())
         checkpointer.prepare_run()
 
     backend.run_on_rank_zero(claim, "refused to start the run", share_as=(RunDirectoryInUse,))

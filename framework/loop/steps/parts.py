@@ -62,7 +62,8 @@ class StepParts:
         self.optimizers: Sequence[torch.optim.Optimizer] = ()
         self.schedules = LRSchedules()
         self.sync_every_batch = False  # a stream: its last micro-batch is not known ahead
-        self.clips = False  # clip_grads, track_grad_norm or clip_grad_value
+        self.clips = False  # clip_grads (or the module's max_grad_norm), track_grad_norm or clip_grad_value
+        self.max_grad_norm: Optional[float] = None  # TrainerArguments' when clip_grads, else the module's own
         # The backend's calls, or None / the plain call where nothing overrides them (bind):
         self.no_sync: Optional[Callable[..., Any]] = backend.no_sync
         self.backward: Callable[[torch.Tensor], None] = backend.backward
@@ -85,7 +86,8 @@ class StepParts:
         self.sync_every_batch = loader_length is None
         self.next_batch = self._next_batch_of_stream if self.sync_every_batch else self._next_batch
         args = self.args
-        self.clips = bool(args.clip_grads or args.track_grad_norm or args.clip_grad_value is not None)
+        self.max_grad_norm = args.max_grad_norm if args.clip_grads else module_max_grad_norm(self.module)
+        self.clips = bool(self.max_grad_norm is not None or args.track_grad_norm or args.clip_grad_value is not None)
         backend, plain = self.backend, self.backend.is_plain
         self.no_sync = None if plain("no_sync") else backend.no_sync
         self.backward = torch.Tensor.backward if plain("backward") else backend.backward
@@ -139,9 +141,9 @@ class StepParts:
     def clip_gradients(self) -> None:
         """Clip by value and/or norm as the arguments ask; log the norm with ``track_grad_norm``."""
         args = self.args
-        max_norm = None
-        if args.clip_grads or args.track_grad_norm:
-            max_norm = args.max_grad_norm if args.clip_grads else float("inf")
+        max_norm = self.max_grad_norm
+        if max_norm is None and args.track_grad_norm:
+            max_norm = float("inf")
         grad_norm = self.backend.clip_gradients(self.parameters, max_norm, args.clip_grad_value)  # whatever the meshes
         if grad_norm is not None and args.track_grad_norm:
             self.collector.log("grad_norm", grad_norm, on_step=True, on_epoch=True)
@@ -158,3 +160,25 @@ class StepParts:
                 raise
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
+
+
+def module_max_grad_norm(module: Any) -> Optional[float]:
+    """The module's own clipping norm (``ModuleInterface.max_grad_norm``): None, or a number > 0.
+
+    Raises:
+        ValueError: anything else, naming the module and what is allowed.
+
+    Example:
+        >>> class Module:
+        ...     max_grad_norm = 1.0
+        >>> module_max_grad_norm(Module())
+        1.0
+    """
+    norm = getattr(module, "max_grad_norm", None)
+    if norm is None:
+        return None
+    if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0:
+        raise ValueError(
+            f"{type(module).__name__}.max_grad_norm={norm!r} is invalid; allowed: None (no clipping) or a number > 0"
+        )
+    return float(norm)

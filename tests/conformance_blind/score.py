@@ -85,9 +85,9 @@ def judge(name: str, returncode: Optional[int], output: str) -> "tuple[str, str]
         return "harness error", line.strip()[:160]
     if failed:
         first = failed[0]
-        cells = ", ".join(f"{row['cell']} ({row['ranks']})" for row in failed)
-        figure = first["figure"].replace("|", "\\|")[:110]
-        return "killed", f"{cells}: {figure}"
+        more = f" (+{len(failed) - 1} more of {len(rows)} cells)" if len(failed) > 1 else f" (1 of {len(rows)} cells)"
+        figure = re.split(r"\s{2,}", first["figure"])[0].replace("|", "\\|")[:110]
+        return "killed", f"{first['cell']} ({first['ranks']}){more}: {figure}"
     if returncode == 0 and rows:
         return "survived", f"{len(rows)} cells passed"
     tail = next((line for line in reversed(output.strip().splitlines()) if line.strip()), "no output")

@@ -47,7 +47,7 @@ class Verdict:
     area: str
     control: str
     ranks: int
-    outcome: str  # "killed", "survived", "harness error", "timeout"
+    outcome: str  # "killed", "survived", "harness error", "timeout" ("not run": rebuilt from logs without it)
     detail: str
     seconds: float
 
@@ -130,20 +130,63 @@ def markdown(verdicts: Sequence[Verdict], every_cell: bool) -> str:
             "survived": f"survived ({verdict.detail})",
             "harness error": f"harness error, not a kill: {verdict.detail}",
             "timeout": f"timeout, not a kill: {verdict.detail}",
+            "not run": "not run (no result in the logs; not a kill)",
         }[verdict.outcome]
         lines.append(
             f"| `{verdict.name}` | {verdict.area} | `{verdict.control}` | {verdict.ranks} | {text} | {verdict.seconds:.0f} |"
         )
     killed = sum(verdict.killed for verdict in verdicts)
     errors = sum(verdict.outcome in ("harness error", "timeout") for verdict in verdicts)
+    missing = sum(verdict.outcome == "not run" for verdict in verdicts)
     total = len(verdicts)
     share = f"{100 * killed / total:.0f}%" if total else "n/a"
     lines += [
         "",
         f"Score ({'--all' if every_cell else 'quick set'}): **{killed} of {total} killed** ({share}); "
-        f"{total - killed - errors} survived, {errors} harness error(s) or timeout(s) (counted as not killed).",
+        f"{total - killed - errors - missing} survived, {errors} harness error(s) or timeout(s) (counted as not killed)"
+        + (f", {missing} not run (counted as not killed)." if missing else "."),
     ]
     return "\n".join(lines)
+
+
+LOG_LINE = re.compile(
+    r"^# (?P<name>\S+) \((?P<ranks>\d+) rank\(s\)\): "
+    r"(?P<outcome>killed|survived|harness error|timeout): (?P<detail>.*) \[(?P<seconds>\d+) s\]$"
+)
+
+
+def rebuild(logs: Sequence[str], faults: Dict[str, object], names: Sequence[str], every_cell: bool, out: str) -> int:
+    """The table from the per-fault lines of earlier runs (the last line of a fault wins); faults
+    with no line are listed as not run (not killed)."""
+    found: Dict[str, Verdict] = {}
+    for log in logs:
+        with open(log) as handle:
+            for line in handle:
+                match = LOG_LINE.match(line.rstrip("\n"))
+                if match and match["name"] in faults:
+                    entry = faults[match["name"]]
+                    detail = match["detail"]  # already escaped for Markdown
+                    found[match["name"]] = Verdict(
+                        match["name"],
+                        entry.area,
+                        entry.control,
+                        int(match["ranks"]),  # type: ignore[attr-defined]
+                        match["outcome"],
+                        detail,
+                        float(match["seconds"]),
+                    )
+    verdicts = []
+    for name in names:
+        entry = faults[name]
+        verdicts.append(
+            found.get(name) or Verdict(name, entry.area, entry.control, entry.ranks, "not run", "", 0.0)  # type: ignore[attr-defined]
+        )
+    table = markdown(verdicts, every_cell)
+    print(table)
+    if out:
+        with open(out, "w") as handle:
+            handle.write(table + "\n")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -154,6 +197,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="faults run at once (default 1: the kit is CPU-heavy)")
     parser.add_argument("--controls", action="store_true", help="also run each fault's correct control on the same set")
     parser.add_argument("--out", default="", help="also write the table to this file")
+    parser.add_argument(
+        "--from-log",
+        nargs="+",
+        default=[],
+        help="rebuild the table from the '# <fault> (...): <verdict>' lines of earlier runs' output (no kit run)",
+    )
     parser.add_argument(
         "--import-as-path", action="store_true", help="--import tests/conformance_blind/<file>.py (default: the module name)"
     )
@@ -182,6 +231,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 jobs.append((control, module, entry.ranks, "control", "(itself)"))  # type: ignore[attr-defined]
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    if options.from_log:
+        return rebuild(options.from_log, faults, names, options.all, options.out)
     print(
         f"# blind faults: {len(jobs)} run(s), {'--all' if options.all else 'quick set'}, up to {options.jobs} at once", flush=True
     )

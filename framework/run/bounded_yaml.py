@@ -152,11 +152,11 @@ def _check_size(root: Any, max_values: int, max_depth: int) -> None:
         node, depth, children_done = stack.pop()
         if id(node) in expanded:
             continue
-        if depth > max_depth:
-            raise YamlRefused(f"the YAML is nested more than {max_depth} levels deep")
         if isinstance(node, yaml.ScalarNode):
             expanded[id(node)] = 1
             continue
+        if depth > max_depth:  # levels of lists and mappings, as the event pass counts them
+            raise YamlRefused(f"the YAML is nested more than {max_depth} levels deep")
         if isinstance(node, yaml.MappingNode) and not children_done:
             _check_duplicates(node)
         children = [item for pair in node.value for item in pair] if isinstance(node, yaml.MappingNode) else node.value

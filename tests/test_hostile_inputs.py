@@ -154,6 +154,51 @@ def deep_index(directory: str, marker: str) -> None:
     rewrite(directory)
 
 
+def a_matrix(metadata: Any) -> str:
+    return next(key for key, entry in sorted(metadata.state_dict_metadata.items()) if len(entry.size) == 2)
+
+
+def overlapping_chunks(directory: str, marker: str) -> None:
+    """A weight of R rows described as two chunks of R/2 rows at rows 0 and 2 (each stored, each of the right
+    length; together the right element count): rows 2..3 twice, the last rows never read (uninitialised memory)."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    metadata = read_index(directory)
+    key = a_matrix(metadata)
+    entry = metadata.state_dict_metadata[key]
+    rows, columns = entry.size
+    half = torch.Size([rows // 2, columns])
+    blobs, infos, offset = [], {}, 0
+    for start in (0, 2):
+        buffer = io.BytesIO()
+        torch.save(torch.full(tuple(half), 1.0), buffer)
+        blobs.append(buffer.getvalue())
+        infos[torch.Size([start, 0])] = _StorageInfo("__9_0.distcp", offset, len(blobs[-1]))
+        offset += len(blobs[-1])
+    with open(os.path.join(directory, "__9_0.distcp"), "wb") as handle:
+        handle.write(b"".join(blobs))
+    entry.chunks = [ChunkStorageMetadata(offsets=start, sizes=half) for start in infos]
+    metadata.storage_data = {index: info for index, info in metadata.storage_data.items() if index.fqn != key}
+    for start, info in infos.items():
+        metadata.storage_data[MetadataIndex(key, start)] = info
+    rewrite(directory, metadata)
+
+
+def chunk_referenced_often(directory: str, marker: str) -> None:
+    """A weight described as one single-element chunk at its origin, listed once per element: the element count
+    adds up and the stored bytes suffice, so the old check passed it and DCP read one element per reference
+    (the issue's 60 000 references in a 123 KB index: 192 s), the rest never written."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    metadata = read_index(directory)
+    entry = metadata.state_dict_metadata[a_matrix(metadata)]
+    one = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 1]))
+    entry.chunks = [one] * (entry.size[0] * entry.size[1])
+    rewrite(directory, metadata)
+
+
 def hostile_index(directory: str, marker: str) -> None:
     with open(os.path.join(directory, INDEX_FILE), "wb") as handle:
         pickle.dump(Payload(marker), handle)
@@ -273,6 +318,12 @@ DAMAGES: Dict[str, Damage] = {
     ),
     "sharded-index-truncated": Damage(
         "sharded", lambda d, m: truncate(os.path.join(d, INDEX_FILE)), CorruptCheckpoint, r"\.metadata does not match"
+    ),
+    "sharded-overlapping-chunks": Damage(
+        "sharded", overlapping_chunks, CorruptCheckpoint, r"its chunk at \(2, 0\) overlaps another chunk"
+    ),
+    "sharded-chunk-referenced-per-element": Damage(
+        "sharded", chunk_referenced_often, CorruptCheckpoint, r"more chunks than its \d+ storage entries"
     ),
     "sharded-index-deep-nesting": Damage("sharded", deep_index, CorruptCheckpoint, r"planner_data holds list under str"),
     "sharded-index-payload": Damage("sharded", hostile_index, CheckpointRefused, r"not a plain DCP index.*io\.open"),

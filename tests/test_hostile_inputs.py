@@ -199,6 +199,27 @@ def chunk_referenced_often(directory: str, marker: str) -> None:
     rewrite(directory, metadata)
 
 
+def deep_state(directory: str, marker: str) -> None:
+    """``state.pt`` holding a list nested 30 000 levels deep (hand-made pickle opcodes in its archive):
+    a recursive walk of the state was a RecursionError that stopped the resume."""
+    import zipfile
+
+    path = os.path.join(directory, STATE_FILE)
+    state = torch.load(path, weights_only=True)
+    state["deep"] = "PLACEHOLDER-DEEP"
+    torch.save(state, path)
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info, archive.read(info)) for info in archive.infolist()]
+    placeholder = b"X" + (16).to_bytes(4, "little") + b"PLACEHOLDER-DEEP"
+    depth = 30_000
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for info, data in entries:
+            if info.filename.endswith("/data.pkl"):
+                assert data.count(placeholder) == 1
+                data = data.replace(placeholder, b"]" * depth + b"a" * (depth - 1))
+            archive.writestr(info, data)
+
+
 def hostile_index(directory: str, marker: str) -> None:
     with open(os.path.join(directory, INDEX_FILE), "wb") as handle:
         pickle.dump(Payload(marker), handle)
@@ -325,6 +346,7 @@ DAMAGES: Dict[str, Damage] = {
     "sharded-chunk-referenced-per-element": Damage(
         "sharded", chunk_referenced_often, CorruptCheckpoint, r"more chunks than its \d+ storage entries"
     ),
+    "sharded-state-deep-nesting": Damage("sharded", deep_state, CorruptCheckpoint, r"state\.pt nests deeper than 100 levels"),
     "sharded-index-deep-nesting": Damage("sharded", deep_index, CorruptCheckpoint, r"planner_data holds list under str"),
     "sharded-index-payload": Damage("sharded", hostile_index, CheckpointRefused, r"not a plain DCP index.*io\.open"),
     "sharded-state-payload": Damage(

@@ -261,6 +261,21 @@ def deep_header(path: str) -> None:
         handle.write(len(header).to_bytes(8, "little") + header)
 
 
+def metadata_edit(path: str, value: str) -> None:
+    """The header's ``__metadata__`` gets a field holding ``value`` (raw JSON): what a hand-edited file can say."""
+    import json
+
+    with open(path, "rb") as handle:
+        data = handle.read()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header["__metadata__"]["extra"] = "PLACEHOLDER"
+    text = json.dumps(header).replace('"PLACEHOLDER"', value).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little") + text + data[8 + size :])
+
+
 def index_edit(path: str, edit: Callable[[Dict[str, Any]], Any]) -> None:
     import json
 
@@ -359,6 +374,18 @@ DAMAGES: Dict[str, Damage] = {
         "safetensors", lambda p, m: header_edit(p), CorruptCheckpoint, r"header and tensor bytes do not match the SHA-256"
     ),
     "safetensors-deep-nesting": Damage("safetensors", lambda p, m: deep_header(p), CorruptCheckpoint, r"nested deeper than"),
+    "safetensors-30mb-metadata": Damage(
+        "safetensors",
+        lambda p, m: metadata_edit(p, '"' + "x" * (30 << 20) + '"'),
+        CorruptCheckpoint,
+        r"its safetensors header is 314\d{5} bytes, more than the 8388608 read",
+    ),
+    "safetensors-many-brackets": Damage(
+        "safetensors",
+        lambda p, m: metadata_edit(p, "[" + ",".join(["[]"] * 2_000_000) + "]"),
+        CorruptCheckpoint,
+        r"holds 20000\d\d brackets, more than 1000000: refused",
+    ),
     "safetensors-truncated": Damage("safetensors", lambda p, m: truncate(p, 0.01), CorruptCheckpoint, r"truncated"),
     "safetensors-index-escape": Damage(
         "safetensors-index", lambda p, m: index_edit(p, escape_index), CorruptCheckpoint, r"names '\.\./elsewhere/.*refused"

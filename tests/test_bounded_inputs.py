@@ -82,7 +82,7 @@ def test_alias_bomb_refused_fast_small_and_with_a_short_message(tmp_path, where)
     expected = "holds more than 100000 values" if where == "flat" else "alias"
     assert expected in figures["text"] and "bomb.yaml" in figures["text"], figures
     assert figures["message"] < 100_000 and figures["changes"] < 100_000
-    assert figures["seconds"] < (10 if where == "flat" else 30), figures
+    assert figures["seconds"] < 30, figures  # the import included, on a loaded machine; unbounded: 15-194 s
     # The bound is 300 MB for the process; torch's import alone takes ~230 MB of it, so what the
     # bomb may add is held tighter (the unbounded reader adds gigabytes).
     assert figures["rss_mb"] - figures["imported_mb"] < 64, figures

@@ -344,3 +344,31 @@ def test_usage_names_the_running_script(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("usage: train_digits.py [--config FILE.yaml]"), result.stderr
     assert "train_digits.py: error: " in result.stderr and "run.py" not in result.stderr
+
+
+def test_none_fits_every_optional_spelling_pep_604_included(tmp_path, monkeypatch):
+    """``int | None`` (PEP 604) and ``Optional[int]`` take ``null``, in a class_path's init_args and in a
+    dataclass section (mutant: only typing.Union recognised as a union -> "expected int | None, got None")."""
+    (tmp_path / "optional_model.py").write_text(
+        "from typing import Optional\n"
+        "import torch\n\n\n"
+        "class Model(torch.nn.Module):\n"
+        "    def __init__(self, hidden: 'int | None' = 4, width: Optional[int] = 3):\n"
+        "        super().__init__()\n"
+        "        self.hidden, self.width = hidden, width\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config_path = write_yaml(tmp_path, "model:\n  class_path: optional_model.Model\n  init_args: {hidden: null, width: null}\n")
+    module = parse_config(argv=["--config", config_path]).build_module()
+    assert (module.hidden, module.width) == (None, None)
+
+    @dataclasses.dataclass
+    class Section:
+        hidden: "int | None" = 4
+
+    Section.__annotations__["hidden"] = int | None  # evaluated, as on Python 3.10+ without postponed annotations
+    loaded = parse_config({"model": Section}, argv=["--config", write_yaml(tmp_path, "model: {hidden: null}\n", "d.yaml")])
+    assert loaded.model.hidden is None
+    assert parse_config({"model": Section}, argv=["--model.hidden", "none"]).model.hidden is None
+    assert parse_config({"model": Section}, argv=["--model.hidden", "5"]).model.hidden == 5
+    assert "expected an integer" in config_error(["--model.hidden", "five"], {"model": Section})

@@ -154,6 +154,72 @@ def deep_index(directory: str, marker: str) -> None:
     rewrite(directory)
 
 
+def a_matrix(metadata: Any) -> str:
+    return next(key for key, entry in sorted(metadata.state_dict_metadata.items()) if len(entry.size) == 2)
+
+
+def overlapping_chunks(directory: str, marker: str) -> None:
+    """A weight of R rows described as two chunks of R/2 rows at rows 0 and 2 (each stored, each of the right
+    length; together the right element count): rows 2..3 twice, the last rows never read (uninitialised memory)."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    metadata = read_index(directory)
+    key = a_matrix(metadata)
+    entry = metadata.state_dict_metadata[key]
+    rows, columns = entry.size
+    half = torch.Size([rows // 2, columns])
+    blobs, infos, offset = [], {}, 0
+    for start in (0, 2):
+        buffer = io.BytesIO()
+        torch.save(torch.full(tuple(half), 1.0), buffer)
+        blobs.append(buffer.getvalue())
+        infos[torch.Size([start, 0])] = _StorageInfo("__9_0.distcp", offset, len(blobs[-1]))
+        offset += len(blobs[-1])
+    with open(os.path.join(directory, "__9_0.distcp"), "wb") as handle:
+        handle.write(b"".join(blobs))
+    entry.chunks = [ChunkStorageMetadata(offsets=start, sizes=half) for start in infos]
+    metadata.storage_data = {index: info for index, info in metadata.storage_data.items() if index.fqn != key}
+    for start, info in infos.items():
+        metadata.storage_data[MetadataIndex(key, start)] = info
+    rewrite(directory, metadata)
+
+
+def chunk_referenced_often(directory: str, marker: str) -> None:
+    """A weight described as one single-element chunk at its origin, listed once per element: the element count
+    adds up and the stored bytes suffice, so the old check passed it and DCP read one element per reference
+    (the issue's 60 000 references in a 123 KB index: 192 s), the rest never written."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    metadata = read_index(directory)
+    entry = metadata.state_dict_metadata[a_matrix(metadata)]
+    one = ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 1]))
+    entry.chunks = [one] * (entry.size[0] * entry.size[1])
+    rewrite(directory, metadata)
+
+
+def deep_state(directory: str, marker: str) -> None:
+    """``state.pt`` holding a list nested 30 000 levels deep (hand-made pickle opcodes in its archive):
+    a recursive walk of the state was a RecursionError that stopped the resume."""
+    import zipfile
+
+    path = os.path.join(directory, STATE_FILE)
+    state = torch.load(path, weights_only=True)
+    state["deep"] = "PLACEHOLDER-DEEP"
+    torch.save(state, path)
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info, archive.read(info)) for info in archive.infolist()]
+    placeholder = b"X" + (16).to_bytes(4, "little") + b"PLACEHOLDER-DEEP"
+    depth = 30_000
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for info, data in entries:
+            if info.filename.endswith("/data.pkl"):
+                assert data.count(placeholder) == 1
+                data = data.replace(placeholder, b"]" * depth + b"a" * (depth - 1))
+            archive.writestr(info, data)
+
+
 def hostile_index(directory: str, marker: str) -> None:
     with open(os.path.join(directory, INDEX_FILE), "wb") as handle:
         pickle.dump(Payload(marker), handle)
@@ -220,6 +286,21 @@ def deep_header(path: str) -> None:
     header = b"[" * 200_000 + b"]" * 200_000
     with open(path, "wb") as handle:
         handle.write(len(header).to_bytes(8, "little") + header)
+
+
+def metadata_edit(path: str, value: str) -> None:
+    """The header's ``__metadata__`` gets a field holding ``value`` (raw JSON): what a hand-edited file can say."""
+    import json
+
+    with open(path, "rb") as handle:
+        data = handle.read()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header["__metadata__"]["extra"] = "PLACEHOLDER"
+    text = json.dumps(header).replace('"PLACEHOLDER"', value).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little") + text + data[8 + size :])
 
 
 def index_edit(path: str, edit: Callable[[Dict[str, Any]], Any]) -> None:
@@ -301,6 +382,13 @@ DAMAGES: Dict[str, Damage] = {
     "sharded-index-truncated": Damage(
         "sharded", lambda d, m: truncate(os.path.join(d, INDEX_FILE)), CorruptCheckpoint, r"\.metadata does not match"
     ),
+    "sharded-overlapping-chunks": Damage(
+        "sharded", overlapping_chunks, CorruptCheckpoint, r"its chunk at \(2, 0\) overlaps another chunk"
+    ),
+    "sharded-chunk-referenced-per-element": Damage(
+        "sharded", chunk_referenced_often, CorruptCheckpoint, r"more chunks than its \d+ storage entries"
+    ),
+    "sharded-state-deep-nesting": Damage("sharded", deep_state, CorruptCheckpoint, r"state\.pt nests deeper than 100 levels"),
     "sharded-index-deep-nesting": Damage("sharded", deep_index, CorruptCheckpoint, r"planner_data holds list under str"),
     "sharded-index-payload": Damage("sharded", hostile_index, CheckpointRefused, r"not a plain DCP index.*io\.open"),
     "sharded-state-payload": Damage(
@@ -335,6 +423,18 @@ DAMAGES: Dict[str, Damage] = {
         "safetensors", lambda p, m: header_edit(p), CorruptCheckpoint, r"header and tensor bytes do not match the SHA-256"
     ),
     "safetensors-deep-nesting": Damage("safetensors", lambda p, m: deep_header(p), CorruptCheckpoint, r"nested deeper than"),
+    "safetensors-30mb-metadata": Damage(
+        "safetensors",
+        lambda p, m: metadata_edit(p, '"' + "x" * (30 << 20) + '"'),
+        CorruptCheckpoint,
+        r"its safetensors header is 314\d{5} bytes, more than the 8388608 read",
+    ),
+    "safetensors-many-brackets": Damage(
+        "safetensors",
+        lambda p, m: metadata_edit(p, "[" + ",".join(["[]"] * 2_000_000) + "]"),
+        CorruptCheckpoint,
+        r"holds 20000\d\d brackets, more than 1000000: refused",
+    ),
     "safetensors-truncated": Damage("safetensors", lambda p, m: truncate(p, 0.01), CorruptCheckpoint, r"truncated"),
     "safetensors-index-escape": Damage(
         "safetensors-index", lambda p, m: index_edit(p, escape_index), CorruptCheckpoint, r"names '\.\./elsewhere/.*refused"

@@ -106,3 +106,54 @@ def test_names_dicts_and_refusals():
     with pytest.raises(RuntimeError, match="call it inside __init__"):
         module.save_hyperparameters()
     assert ToyModule().hparams == {} and "hyper_parameters" not in ToyModule().get_state()
+
+
+class Vocabulary(ToyModule):
+    def __init__(self, vocabulary=(), tree=None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def nested(levels: int) -> list:
+    value: list = [1]
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def test_hparams_that_config_yaml_cannot_hold_are_refused_when_saved_and_the_rest_reads_back(tmp_path):
+    """Issue 49: a 100 001-word vocabulary, or nesting over 200 levels, made config.yaml unreadable (its reader
+    refuses it) with nothing said at write time. Now the largest that fit write and read back whole (a real run),
+    and one more word or level is refused by save_hyperparameters naming the field (mutant: check_writable not
+    called -> the module is made and the run writes a config.yaml its reader refuses)."""
+    from framework.run.bounded_yaml import load_yaml
+    from framework.run.hyperparameters import UnwritableHyperParameter
+    from framework.run.run_identity import recorded_run_id
+
+    words = [f"w{index}" for index in range(98_000)]
+    module = Vocabulary(vocabulary=words, tree=nested(198))
+    Trainer(module, toy_args(tmp_path, max_steps=1)).train()
+    written = load_yaml((tmp_path / "run" / "config.yaml").read_text())
+    assert written["hyper_parameters"]["vocabulary"] == words and written["hyper_parameters"]["tree"] == nested(198)
+    assert recorded_run_id(str(tmp_path / "run")) is not None
+
+    with pytest.raises(UnwritableHyperParameter, match=r"vocabulary holds 100002 values; config.yaml holds at most 100000"):
+        Vocabulary(vocabulary=["w"] * 100_001)
+    with pytest.raises(UnwritableHyperParameter, match=r"tree is nested 199 levels deep; .* at most 198 levels"):
+        Vocabulary(tree=nested(199))
+    module = Vocabulary()
+    module.hparams.tree = nested(300)  # changed after it was saved: refused when the trainer takes it
+    with pytest.raises(UnwritableHyperParameter, match="tree is nested 300 levels"):
+        Trainer(module, toy_args(tmp_path / "second", max_steps=1))
+
+
+def test_a_hyper_parameter_that_holds_itself_is_refused_naming_it(tmp_path):
+    """A self-referencing list was a RecursionError naming nothing (mutant: the recursive walk back -> RecursionError)."""
+    from framework.run.hyperparameters import UnwritableHyperParameter
+
+    loop: list = [1, 2]
+    loop.append(loop)
+    with pytest.raises(UnwritableHyperParameter, match=r"tree\[2\] is tree itself \(a list that contains itself\)"):
+        Vocabulary(tree=loop)
+    shared = [1, 2]
+    assert Vocabulary(tree=[shared, shared]).hparams.tree == [[1, 2], [1, 2]]  # shared, not a cycle: fine

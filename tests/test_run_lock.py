@@ -6,6 +6,7 @@ The 2-rank refusal (every rank exits) is tested under torchrun in test_launcher_
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -249,12 +250,26 @@ def test_a_lock_of_another_host_ages_by_the_filesystems_clock_not_the_holders(tm
     lock.release()
 
 
-def test_a_heartbeat_from_the_future_counts_as_now(tmp_path):
+def test_a_heartbeat_from_the_future_counts_as_now_within_the_skew_and_as_stale_beyond_it(tmp_path, framework_log):
+    """Issue 49: a heartbeat a year ahead refused for a year, saying "heartbeat 0 s ago". Within 60 s of skew it
+    counts as now and the message says how far ahead it is; beyond, no live holder's touch stamped it (a touch stamps
+    the filesystem's now): taken over, the warning naming the real difference (mutant: the future check removed ->
+    RunLocked for a year; the old max(0, ...) age -> "0 s ago")."""
     from framework.run.run_lock import RunLock
 
-    write_lock(tmp_path, 4242, "node-elsewhere", age=-3600.0)  # mtime an hour ahead of this filesystem's clock
-    error = acquire_within(RunLock(str(tmp_path), stale_after_seconds=1.0))
-    assert isinstance(error, RunLocked) and "heartbeat 0 s ago" in str(error)
+    write_lock(tmp_path / "near", 4242, "node-elsewhere", age=-30.0)  # 30 s ahead of this filesystem's clock
+    error = acquire_within(RunLock(str(tmp_path / "near"), stale_after_seconds=1.0))
+    assert isinstance(error, RunLocked) and re.search(r"heartbeat (29|30) s in the future", str(error)), error
+    year = 365 * 24 * 3600.0
+    write_lock(tmp_path / "far", 4242, "node-elsewhere", age=-year)
+    lock = RunLock(str(tmp_path / "far"), stale_after_seconds=120.0)
+    assert acquire_within(lock) is None
+    try:
+        taken = [line for line in framework_log if "taking over the run lock" in line]
+        assert taken and re.search(r"heartbeat lies 3153(5|6)\d{3} s in the future", taken[0]), framework_log
+        assert "0 s ago" not in taken[0] and "3153" in taken[0]
+    finally:
+        lock.release()
 
 
 def held_like_a_run(output_dir, save_dir=None):

@@ -40,3 +40,18 @@ def test_a_cache_layer_under_fsdp_is_refused_before_step_one(tmp_path):
     with pytest.raises(ValueError, match=r"cannot serve the fsdp backend: .*\(simplecache::\)") as raised:
         Trainer(module, args).train()
     assert "save_dir" in str(raised.value) and module.steps == 0
+
+
+@pytest.mark.parametrize("layer", ["dir", "zip", "reference"])
+def test_a_chained_url_of_another_family_is_refused_with_the_arguments(tmp_path, layer):
+    """Kills: only cache prefixes refused (``dir::file://`` on fsdp trained, then crashed at its first save:
+    'NoneType' object has no attribute 'startswith'). Refused when the arguments are made, by name."""
+    url = f"{layer}::file://{tmp_path}/checkpoints"
+    with pytest.raises(ValueError) as raised:
+        DefaultCheckpointerArguments(save_dir=url, period=1)
+    message = str(raised.value)
+    assert message.startswith(f"checkpointer.save_dir='{url}': a chained fsspec URL through {layer}:: is not supported")
+    assert "s3://" in message and "simplecache::" in message, message
+    with pytest.raises(ConfigError, match=rf"checkpointer.load_dir='{layer}::file:///x': a chained fsspec URL"):
+        parse_config(argv=["--checkpointer.load_dir", f"{layer}::file:///x"])
+    DefaultCheckpointerArguments(save_dir=f"simplecache::file://{tmp_path}/c", period=1)  # a cache layer: still allowed here

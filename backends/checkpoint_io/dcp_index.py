@@ -19,10 +19,11 @@ checkpoint directory, and every chunk, offset or length outside its tensor or it
 """
 
 import io
+import itertools
 import pathlib
 import pickle
 import re
-from typing import Any, BinaryIO, Callable, Collection, Dict, Mapping, Tuple
+from typing import Any, BinaryIO, Callable, Collection, Dict, List, Mapping, Tuple
 
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
@@ -195,6 +196,8 @@ refused (DCP would unpickle its bytes with weights_only=False)
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         raise CorruptCheckpoint(f"the index's storage_data is a {type(storage).__name__}, not a dict")
+    if len(storage) > budget:
+        raise CorruptCheckpoint(f"the index's storage_data holds {len(storage)} entries, more than its {budget} bytes can")
     stored: Dict[Tuple[str, Tuple[int, ...]], int] = {}
     for index, info in storage.items():
         where = f"storage entry {_short(getattr(index, 'fqn', index))}"
@@ -216,15 +219,15 @@ refused (DCP would unpickle its bytes with weights_only=False)
                 f"{where}: bytes {_short(offset)}+{_short(length)} lie outside {name!r} ({file_sizes[name]} bytes)"
             )
         stored[(index.fqn, tuple(index.offset or ()))] = length
-    visited = 0
+    if sum(len(getattr(entry, "chunks", ()) or ()) for entry in entries.values()) > len(stored):
+        raise CorruptCheckpoint(
+            f"the index describes more chunks than its {len(stored)} storage entries (a chunk referenced twice?): refused"
+        )
     for key, entry in entries.items():
         shape, dtype = entry.size, getattr(entry.properties, "dtype", None)
         if not isinstance(dtype, torch.dtype) or not (isinstance(shape, tuple) and all(_natural(d) for d in shape)):
             raise CorruptCheckpoint(f"index entry {_short(key)} has no valid shape and dtype ({_short(shape)}, {_short(dtype)})")
-        visited += len(entry.chunks) + 1
-        if visited > budget:
-            raise CorruptCheckpoint(f"the index names more chunks than its {budget} bytes can hold (shared references)")
-        elements, stored_bytes = 0, 0
+        boxes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
         for chunk in entry.chunks:
             offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
             if not (
@@ -234,15 +237,70 @@ refused (DCP would unpickle its bytes with weights_only=False)
                 raise CorruptCheckpoint(
                     f"index entry {_short(key)}: chunk at {_short(offsets)} of {_short(sizes)} lies outside {tuple(shape)}"
                 )
-            if (key, offsets) not in stored:
-                raise CorruptCheckpoint(f"index entry {_short(key)}: its chunk at {offsets} is stored nowhere")
-            elements += _numel(sizes)
-            stored_bytes += stored[(key, offsets)]
-        if elements != _numel(shape) or elements * dtype.itemsize > stored_bytes:
-            raise CorruptCheckpoint(
-                f"index entry {_short(key)}: its chunks hold {elements} elements in {stored_bytes} bytes, "
-                f"not the {_numel(shape)} of {tuple(shape)} {dtype}"
-            )
+            length = stored.pop((key, offsets), -1)
+            if length < 0:
+                twice = any(box[0] == offsets for box in boxes)
+                raise CorruptCheckpoint(
+                    f"index entry {_short(key)}: its chunk at {offsets} is "
+                    + ("described twice (chunks may not overlap)" if twice else "stored nowhere")
+                )
+            needed = _numel(sizes) * dtype.itemsize
+            if not needed <= length <= needed + CHUNK_OVERHEAD:
+                raise CorruptCheckpoint(
+                    f"index entry {_short(key)}: its chunk at {offsets} ({_numel(sizes)} {dtype} elements, {needed} bytes) "
+                    f"is stored in {length} bytes"
+                )
+            boxes.append((offsets, sizes))
+        _check_tiling(str(key), tuple(shape), boxes)
+    if stored:
+        (fqn, offsets), _ = next(iter(stored.items()))
+        raise CorruptCheckpoint(f"storage entry {_short(fqn)} at {_short(offsets)} belongs to no chunk of the index: refused")
+
+
+CHUNK_OVERHEAD = 1 << 20
+"""How many bytes more than its elements a stored chunk may take (``torch.save``'s archive around them: ~1 KB)."""
+
+GRID_CELLS_PER_CHUNK = 16
+"""How many cells of the grid that chunk boundaries draw a tensor's chunks may make, per chunk, before the
+check of their tiling walks them by a sweep instead (DCP's layouts make one cell per chunk)."""
+
+
+def _check_tiling(key: str, shape: Tuple[int, ...], boxes: Any) -> None:
+    """Refuse chunks (``(offsets, sizes)``, each inside ``shape``) that do not tile the tensor exactly: two that
+    overlap, or elements no chunk holds. Every boundary a chunk draws cuts the tensor into a grid; each grid
+    cell must be covered exactly once. Work: the number of cells (bounded), else a sweep along the first dimension."""
+    total = _numel(shape)
+    if sum(_numel(sizes) for _, sizes in boxes) != total:
+        held = sum(_numel(sizes) for _, sizes in boxes)
+        raise CorruptCheckpoint(
+            f"index entry {_short(key)}: its chunks hold {held} elements, not the {total} of {shape}"
+            + (" (chunks overlap)" if held > total else "")
+        )
+    if len(boxes) <= 1 or total == 0:
+        return
+    import bisect
+
+    cuts = [sorted({0, d, *(o[i] for o, _ in boxes), *(o[i] + s[i] for o, s in boxes)}) for i, d in enumerate(shape)]
+    cells = 1
+    for dimension_cuts in cuts:
+        cells *= max(len(dimension_cuts) - 1, 1)
+    if cells <= GRID_CELLS_PER_CHUNK * len(boxes) + 64:
+        covered: set = set()
+        for offsets, sizes in boxes:
+            ranges = [range(bisect.bisect_left(c, o), bisect.bisect_left(c, o + s)) for c, o, s in zip(cuts, offsets, sizes)]
+            for cell in itertools.product(*ranges):
+                if cell in covered:
+                    raise CorruptCheckpoint(f"index entry {_short(key)}: its chunk at {offsets} overlaps another chunk")
+                covered.add(cell)
+        return
+    ordered = sorted(boxes)
+    active: list = []
+    for offsets, sizes in ordered:
+        active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
+        for other_offsets, other_sizes in active:
+            if all(a < c + d and c < a + b for a, b, c, d in zip(offsets, sizes, other_offsets, other_sizes)):
+                raise CorruptCheckpoint(f"index entry {_short(key)}: its chunk at {offsets} overlaps another chunk")
+        active.append((offsets, sizes))
 
 
 def _check_planner_data(planner_data: Any, budget: int) -> None:

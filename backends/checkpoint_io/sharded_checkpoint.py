@@ -111,15 +111,45 @@ def fill_sharded(rest: Any, tensors: Dict[str, torch.Tensor]) -> Any:
     return rest
 
 
+MAX_STATE_DEPTH = 100
+"""The deepest nesting of dicts, lists and tuples ``state.pt`` may hold (the framework's own: under 10)."""
+
+
 def marker_paths(rest: Any) -> List[str]:
-    """Every sharded tensor's path named by a marker in ``rest``."""
-    if isinstance(rest, dict):
-        if set(rest) == {MARKER_KEY}:
-            return [rest[MARKER_KEY]]
-        return [path for value in rest.values() for path in marker_paths(value)]
-    if isinstance(rest, (list, tuple)):
-        return [path for value in rest for path in marker_paths(value)]
-    return []
+    """Every sharded tensor's path named by a marker in ``rest``, in order; walked without recursion.
+
+    Raises:
+        CorruptCheckpoint: ``rest`` nests deeper than :data:`MAX_STATE_DEPTH` or holds itself (a pickle can
+            make either; a recursive walk would end in ``RecursionError``), or a marker names no string path.
+
+    Example:
+        >>> marker_paths({"module": {"w": {"__sharded__": "module/w"}}, "epoch": 1})
+        ['module/w']
+    """
+    paths: List[str] = []
+    on_path: Dict[int, int] = {}  # id -> depth of each container being walked
+    stack: List[Tuple[Any, int, bool]] = [(rest, 1, False)]
+    while stack:
+        value, depth, leaving = stack.pop()
+        if leaving:
+            on_path.pop(id(value), None)
+            continue
+        if not isinstance(value, (dict, list, tuple)):
+            continue
+        if depth > MAX_STATE_DEPTH:
+            raise CorruptCheckpoint(f"{STATE_FILE} nests deeper than {MAX_STATE_DEPTH} levels (damaged or hand-made)")
+        if id(value) in on_path:
+            raise CorruptCheckpoint(f"{STATE_FILE} holds a {type(value).__name__} that contains itself (damaged or hand-made)")
+        if isinstance(value, dict) and set(value) == {MARKER_KEY}:
+            if not isinstance(value[MARKER_KEY], str):
+                raise CorruptCheckpoint(f"{STATE_FILE} has a sharded-tensor marker naming a {type(value[MARKER_KEY]).__name__}")
+            paths.append(value[MARKER_KEY])
+            continue
+        on_path[id(value)] = depth
+        stack.append((value, depth, True))
+        children = list(value.values()) if isinstance(value, dict) else list(value)
+        stack.extend((child, depth + 1, False) for child in reversed(children))
+    return paths
 
 
 def initialize_optimizer_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -92,6 +92,27 @@ def check_protocols(locations: Dict[str, Optional[str]], prefix: str = "checkpoi
         protocols = protocols_of(str(location)) if location else []
         if protocols:
             _check_known(f"{prefix}.{option}", str(location), protocols)
+            _check_chain(f"{prefix}.{option}", str(location), protocols)
+
+
+def _check_chain(option: str, location: str, protocols: List[str]) -> None:
+    """Refuse a chained URL (``a::b://...``) other than caching layers over one storage: the checkpoint code
+    reads and writes plain storage URLs (``dir::file://`` trained, then failed at its first save).
+
+    Example:
+        >>> _check_chain("checkpointer.save_dir", "dir::file:///tmp/x", ["dir", "file"])
+        Traceback (most recent call last):
+        ...
+        ValueError: checkpointer.save_dir='dir::file:///tmp/x': a chained fsspec URL through dir:: is not supported; ...
+    """
+    if len(protocols) <= 1 or all(protocol in CACHING_PROTOCOLS for protocol in protocols[:-1]):
+        return
+    layers = ", ".join(f"{protocol}::" for protocol in protocols[:-1] if protocol not in CACHING_PROTOCOLS)
+    raise ValueError(
+        f"{option}={bounded_repr(location)}: a chained fsspec URL through {layers} is not supported; checkpoints are "
+        f"read and written at a storage's own URL (a local path, file://, s3://bucket/run, ...), optionally under a "
+        f"caching layer ({', '.join(p + '::' for p in CACHING_PROTOCOLS)}) for single-file checkpoints"
+    )
 
 
 def _check_known(option: str, location: str, protocols: List[str]) -> None:

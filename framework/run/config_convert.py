@@ -4,6 +4,7 @@
 import collections.abc
 import dataclasses
 import enum
+import types
 import typing
 from typing import Any, Callable, Dict, Mapping, Optional
 
@@ -11,6 +12,8 @@ from framework.run.bounded_repr import bounded_repr
 
 _TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~"}
 _SEQUENCES = (list, tuple, set, collections.abc.Sequence)
+_UNIONS = tuple(kind for kind in (typing.Union, getattr(types, "UnionType", None)) if kind is not None)
+"""``Optional[int]`` / ``Union[...]`` and PEP 604's ``int | None`` (``types.UnionType``, Python 3.10+)."""
 
 
 def convert(value: Any, hint: Any, from_text: bool = True) -> Any:
@@ -30,7 +33,7 @@ def convert(value: Any, hint: Any, from_text: bool = True) -> Any:
     """
     if hint is Any or hint is object:
         return value
-    if typing.get_origin(hint) is typing.Union:
+    if typing.get_origin(hint) in _UNIONS:
         return _to_union(value, hint, from_text)
     if value is None:
         raise ValueError(f"expected {describe(hint)}, got None")

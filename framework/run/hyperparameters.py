@@ -40,30 +40,104 @@ class AttributeDict(dict):
         self[name] = value
 
 
+class UnwritableHyperParameter(ValueError):
+    """A hyper-parameter ``config.yaml`` cannot hold and read back (a cycle, too deep, too many values),
+    named with where and why; refused when it is saved, so no unreadable file is ever written."""
+
+
+CONFIG_LEVELS = 2
+"""How deep a hyper-parameter's value starts in ``config.yaml`` (the document, then ``hyper_parameters``)."""
+CONFIG_RESERVE = 1000
+"""Values of ``config.yaml`` kept for the run's own sections (``trainer``, ``checkpointer``...: a few hundred)."""
+
+
 def unplain_path(value: Any, path: str = "") -> Optional[str]:
     """Where in ``value`` a value that is not plain sits (``""``: ``value`` itself; None: all plain).
+    Walked without recursion; a list or dict that holds itself is :class:`UnwritableHyperParameter`.
 
     Example:
         >>> unplain_path({"sizes": [1, 2], "name": "mlp"}) is None, unplain_path({"sizes": [1, object()]})
         (True, "['sizes'][1]")
     """
-    if isinstance(value, _SCALARS):
-        return None
-    if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            found = unplain_path(item, f"{path}[{index}]")
-            if found is not None:
-                return found
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                return f"{path}[{key!r}] (a {type(key).__name__} key)"
-            found = unplain_path(item, f"{path}[{key!r}]")
-            if found is not None:
-                return found
-        return None
-    return path
+    found, _, _ = _walk(value, path)
+    return found
+
+
+def check_writable(values: Mapping[str, Any]) -> None:
+    """Refuse hyper-parameters that ``config.yaml`` could not hold within the bounds its reader keeps
+    (:mod:`framework.run.bounded_yaml`): nesting past ``MAX_DEPTH`` with the file's own levels, or more
+    than ``MAX_VALUES`` values in all. A cycle is refused by the walk itself.
+
+    Raises:
+        UnwritableHyperParameter: naming the hyper-parameter, its size or depth and the bound.
+
+    Example:
+        >>> check_writable({"vocabulary": ["a"] * 100_001})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        framework.run.hyperparameters.UnwritableHyperParameter: save_hyperparameters: vocabulary holds 100002 values; ...
+    """
+    from framework.run.bounded_yaml import MAX_DEPTH, MAX_VALUES
+
+    sizes: Dict[str, int] = {}
+    for name, value in values.items():
+        _, count, depth = _walk(value, str(name))
+        if depth + CONFIG_LEVELS > MAX_DEPTH:
+            raise UnwritableHyperParameter(
+                f"save_hyperparameters: {name} is nested {depth} levels deep; config.yaml holds at most "
+                f"{MAX_DEPTH - CONFIG_LEVELS} levels in a hyper-parameter (its reader refuses deeper files): flatten it, "
+                f"or pass ignore=[{str(name)!r}]"
+            )
+        sizes[str(name)] = count
+    total = sum(sizes.values()) + len(sizes)
+    if total + CONFIG_RESERVE > MAX_VALUES:
+        largest = max(sizes, key=lambda key: sizes[key])
+        raise UnwritableHyperParameter(
+            f"save_hyperparameters: {largest} holds {sizes[largest]} values; config.yaml holds at most {MAX_VALUES} in all, "
+            f"{MAX_VALUES - CONFIG_RESERVE} of them hyper-parameters (its reader refuses larger files; these hold {total}): "
+            f"save it to a file and keep its path "
+            f"as the hyper-parameter, or pass ignore=[{largest!r}]"
+        )
+
+
+def _walk(value: Any, path: str) -> Tuple[Optional[str], int, int]:
+    """(the path of the first value that is not plain or None, how many values, how deep the containers nest),
+    without recursion. Raises :class:`UnwritableHyperParameter` for a list or dict that holds itself."""
+    first: Optional[str] = None
+    count, deepest = 0, 0
+    on_path: Dict[int, str] = {}  # id -> path of each container being walked (a cycle returns to one)
+    stack: List[Tuple[Any, str, int, bool]] = [(value, path, 0, False)]
+    while stack:
+        item, where, depth, leaving = stack.pop()
+        if leaving:
+            del on_path[id(item)]
+            continue
+        count += 1
+        if isinstance(item, _SCALARS):
+            continue
+        if not isinstance(item, (list, tuple, dict)):
+            first = where if first is None else first
+            continue
+        if id(item) in on_path:
+            raise UnwritableHyperParameter(
+                f"save_hyperparameters: {where} is {on_path[id(item)]} itself (a {type(item).__name__} that contains "
+                "itself): config.yaml and checkpoints cannot hold it; save a copy without the cycle"
+            )
+        deepest = max(deepest, depth + 1)
+        on_path[id(item)] = where
+        stack.append((item, where, depth, True))
+        if isinstance(item, dict):
+            count += len(item)  # the keys: values of the YAML too
+            children = []
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    first = f"{where}[{key!r}] (a {type(key).__name__} key)" if first is None else first
+                    continue
+                children.append((child, f"{where}[{key!r}]", depth + 1, False))
+        else:
+            children = [(child, f"{where}[{index}]", depth + 1, False) for index, child in enumerate(item)]
+        stack.extend(reversed(children))
+    return first, count, deepest
 
 
 def _describe(name: str, value: Any, where: str) -> str:
@@ -125,7 +199,8 @@ def capture(
         kinds = [type(item).__name__ for item in given]
         raise TypeError(f"save_hyperparameters takes argument names (str), or one dict or Namespace; got {kinds}")
     values = {name: value for name, value in values.items() if name not in ignore}
-    found = {name: unplain_path(value) for name, value in values.items()}
+    found = {name: unplain_path(value, str(name)) for name, value in values.items()}
+    found = {name: where[len(str(name)) :] if where is not None else None for name, where in found.items()}
     bad = {name: where for name, where in found.items() if where is not None}
     if bad and explicit:
         described = ", ".join(_describe(name, values[name], where) for name, where in bad.items())
@@ -141,6 +216,7 @@ def capture(
             ", ".join(skipped),
             sorted(bad),
         )
+    check_writable(values)
     return values, sorted(bad)
 
 
@@ -158,6 +234,7 @@ def add_to_config(args: Any, hyper_parameters: Mapping[str, Any]) -> None:
     """
     from framework.run.config import RunConfig, resolved_config
 
+    check_writable(hyper_parameters)  # hparams may have changed since they were saved
     config = resolved_config(args)
     if args.run_config is not config:
         args.run_config = config = RunConfig(dict(config.sections))

@@ -5,8 +5,9 @@ took the lock, its process's start time and a random token) and never rewritten:
 proves it lives by touching the file, so the heartbeat is the file's modification time,
 stamped by the filesystem's clock and compared with the same clock (the modification time
 of a file this run has just written beside it). A lock of another host whose clock runs an
-hour ahead therefore ages like any other, and a modification time from the future counts
-as now.
+hour ahead therefore ages like any other. A modification time up to :data:`CLOCK_SKEW_SECONDS`
+in the future counts as now; further ahead, no live holder's touch stamped it (a touch stamps
+the filesystem's now), so the lock is stale, with the real difference in its message.
 
 Reading never hangs and never crashes: the path is checked with ``lstat`` and opened with
 ``O_NONBLOCK | O_NOFOLLOW`` (a FIFO, a directory, a symlink or a device is
@@ -32,6 +33,8 @@ LOCK_NAME = "run.lock"
 MAX_LOCK_BYTES = 4096
 """A lock file is a few hundred bytes; a larger one is damaged (read no further)."""
 LOCK_KIND = run_files.LOCK
+CLOCK_SKEW_SECONDS = 60.0
+"""How far in the future a heartbeat may lie and still count as now (clock steps, coarse timestamps)."""
 SAME_START_SECONDS = 1.0
 """On one host, a live pid whose process started within this of the lock's recorded start is the holder."""
 START_TOLERANCE_SECONDS = 2.0
@@ -77,7 +80,7 @@ class LockHolder:
     def describe(self, heartbeat_age: Optional[float] = None) -> str:
         """``pid 4242 on host node1, started ..., heartbeat 3 s ago`` (for messages)."""
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        age = "" if heartbeat_age is None else f", heartbeat {heartbeat_age:.0f} s ago"
+        age = "" if heartbeat_age is None else f", heartbeat {_age_text(heartbeat_age)}"
         return f"pid {self.pid} on host {self.host}, started {started}{age}"
 
 
@@ -94,13 +97,23 @@ class LockFile:
     fields: Dict[str, Any] = field(default_factory=dict)
 
     def age(self, filesystem_now: float) -> float:
-        """Seconds since the last heartbeat by the filesystem's clock (one from the future counts as now)."""
-        return max(0.0, filesystem_now - self.mtime)
+        """Seconds since the last heartbeat by the filesystem's clock; negative for one from the future."""
+        return filesystem_now - self.mtime
 
     def describe(self, filesystem_now: float) -> str:
         if self.holder is None:
             return f"a lock file whose fields do not parse: {self.problem}"
         return self.holder.describe(self.age(filesystem_now))
+
+
+def _age_text(age: float) -> str:
+    """``3 s ago``, or ``3600 s in the future`` (by the filesystem's clock): what the heartbeat really says.
+
+    Example:
+        >>> _age_text(3.2), _age_text(-31536000.0)
+        ('3 s ago', '31536000 s in the future')
+    """
+    return f"{age:.0f} s ago" if age > -0.5 else f"{-age:.0f} s in the future"
 
 
 def bounded(value: Any, limit: int = 80) -> str:
@@ -244,6 +257,11 @@ def stale_reason(lock: LockFile, filesystem_now: float, stale_after: float) -> O
                 return f"pid {holder.pid} now belongs to another process (started {later:+.0f} s later)"
             if started > holder.started + START_TOLERANCE_SECONDS:
                 return f"pid {holder.pid} now belongs to a process younger than the lock"
+    if age < -CLOCK_SKEW_SECONDS:
+        return (
+            f"its heartbeat lies {-age:.0f} s in the future by the filesystem's clock (more than {CLOCK_SKEW_SECONDS:.0f} s "
+            "ahead: a live holder's touch stamps the filesystem's now, so none has beaten since it was set)"
+        )
     if age > stale_after:
         return f"its heartbeat is {age:.0f} s old (more than {stale_after:.0f} s)"
     return None

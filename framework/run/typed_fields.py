@@ -2,8 +2,12 @@
 
 import dataclasses
 import os
+import types
 import typing
 from typing import Any
+
+_UNIONS = tuple(kind for kind in (typing.Union, getattr(types, "UnionType", None)) if kind is not None)
+"""``Optional[X]`` / ``Union[...]`` and PEP 604's ``X | None`` (Python 3.10+)."""
 
 
 def matches_type(value: Any, hint: Any) -> bool:
@@ -22,7 +26,7 @@ def matches_type(value: Any, hint: Any) -> bool:
     """
     if hint is Any or hint is object:
         return True
-    if typing.get_origin(hint) is typing.Union:
+    if typing.get_origin(hint) in _UNIONS:
         return any(matches_type(value, option) for option in typing.get_args(hint))
     if hint is type(None):
         return value is None
@@ -48,7 +52,7 @@ def describe_type(hint: Any) -> str:
         'None, an integer or a number'
     """
     words = {bool: "a boolean (True/False)", int: "an integer", float: "a number", str: "a string", type(None): "None"}
-    if typing.get_origin(hint) is typing.Union:
+    if typing.get_origin(hint) in _UNIONS:
         options = sorted(typing.get_args(hint), key=lambda option: option is not type(None))  # None first
         parts = [describe_type(option) for option in options]
         return ", ".join(parts[:-1]) + " or " + parts[-1]

@@ -64,7 +64,7 @@ DCP_SHARD = FileKind("sharded checkpoint shard", 1 << 50, CorruptCheckpoint)
 SAFETENSORS = FileKind("safetensors file", 1 << 50, CorruptCheckpoint)
 
 
-SAFETENSORS_INDEX = FileKind("safetensors index", 100 * MiB, CorruptCheckpoint)
+SAFETENSORS_INDEX = FileKind("safetensors index", 8 * MiB, CorruptCheckpoint)  # its JSON parsed whole
 
 
 PREDICTIONS = FileKind("prediction part", 1 << 40, CorruptCheckpoint)

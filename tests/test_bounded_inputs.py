@@ -139,7 +139,7 @@ def test_an_integer_past_pythons_digit_limit_is_a_named_error_never_a_raw_crash(
     ``config.yaml`` read at resume (mutant: the int constructor's ValueError let through -> a raw ValueError
     from every resume)."""
     from framework.run.finished_run import changed_settings
-    from framework.run.run_identity import recorded_run_id
+    from framework.run.run_identity import UNREADABLE, recorded_run_id
 
     text = "trainer:\n  seed: " + "7" * 5000 + "\n"
     config = tmp_path / "huge.yaml"
@@ -151,5 +151,5 @@ def test_an_integer_past_pythons_digit_limit_is_a_named_error_never_a_raw_crash(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text("run_id: abc\n" + text)
-    assert recorded_run_id(str(run_dir)) is None  # unreadable, said by the YAML reader; never a raw ValueError
+    assert recorded_run_id(str(run_dir)) == UNREADABLE  # unknown, said by the YAML reader; never a raw ValueError
     changed_settings(str(run_dir / "config.yaml"), {"trainer": {"seed": 1}})

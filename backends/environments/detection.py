@@ -203,7 +203,13 @@ def check_launch(environment: ClusterEnvironment, multi_process: bool) -> None:
         logger.warning(hint)
 
 
-register_cluster_environment("local", LocalEnvironment)
-register_cluster_environment("mpi", MPIEnvironment)
-register_cluster_environment("slurm", SlurmEnvironment)
-register_cluster_environment("torchrun", TorchrunEnvironment)
+BUILT_IN_ENVIRONMENTS = {
+    "torchrun": TorchrunEnvironment,
+    "slurm": SlurmEnvironment,
+    "mpi": MPIEnvironment,
+    "local": LocalEnvironment,
+}
+"""The built-in cluster environments, in detection order: the one place their names and order are written
+(the registry, the docs' list and the tests read it)."""
+for _name, _environment in reversed(BUILT_IN_ENVIRONMENTS.items()):  # each registered first: the order above
+    register_cluster_environment(_name, _environment)

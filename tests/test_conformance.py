@@ -265,3 +265,60 @@ def test_a_declared_refusal_must_come_before_step_1(tmp_path, reference_cache):
     assert [(row.check, row.result) for row in refused] == [("manual/mlp", "REFUSED")]
     assert "does not support manual optimization; use backend 'sp'" in refused[0].figure
     assert [row.result for row in ran] == ["FAIL"] and "without refusing" in ran[0].figure
+
+
+def test_ranks_the_kit_cannot_run_as_asked_are_refused_naming_the_size(capsys):
+    from framework.conformance.__main__ import main
+
+    assert main(["ddp", "--ranks", "4", "--features", "automatic", "--models", "mlp"]) == 2
+    assert "--ranks 4: none of the 1 selected cell(s) runs at 4 ranks" in capsys.readouterr().err
+    assert main(["sp", "--ranks", "2", "--features", "automatic", "--models", "mlp"]) == 2
+    assert "backend 'sp' is single-process; allowed: 1" in capsys.readouterr().err
+    assert main(["sp", "--ranks", "0", "--features", "automatic", "--models", "mlp"]) == 2
+    assert "world sizes must be integers >= 1" in capsys.readouterr().err
+
+
+def test_an_exact_check_names_the_first_entry_that_differs_past_any_prefix():
+    from framework.conformance.compare import _exact
+
+    want = list(range(100))
+    got = [*want[:77], -1, *want[78:]]
+    passed, figure = _exact([{"seen": want}, {"seen": got}], {"seen": want}, "seen")
+    assert not passed and figure == "seen on rank 1 differs at [77]: -1 (ref: 77)"
+
+
+_OUTSIDE_MUTANT = """
+from backends import FullPrecision
+from framework.conformance.mutants.collectives import NoAllReduce
+from framework.conformance.mutants.library import backend, register_mutant
+
+register_mutant(
+    "mutant-outside-ddp-no-allreduce", backend(NoAllReduce, FullPrecision), "never averages gradients",
+    (("automatic", "mlp", 2),), "collectives", control="ddp",
+)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_outside_mutant_is_built_on_the_spawned_ranks_and_a_harness_error_is_no_kill(tmp_path):
+    from framework.conformance.mutants import MUTANTS
+    from framework.conformance.mutation import format_mutants, run_mutants
+
+    package = tmp_path / "outside_mutants"
+    package.mkdir()
+    (package / "__init__.py").write_text(_OUTSIDE_MUTANT, encoding="utf-8")
+    from framework.conformance.ranks import import_plugin
+
+    import_plugin(str(package))  # a package directory, as --import takes it
+    try:
+        name = "mutant-outside-ddp-no-allreduce"
+        missing, _ = run_mutants([name], workdir=str(tmp_path / "a"), controls=False)  # the ranks never import it
+        imported, _ = run_mutants([name], workdir=str(tmp_path / "b"), controls=False, imports=[str(package)])
+    finally:
+        MUTANTS.pop("mutant-outside-ddp-no-allreduce", None)
+    report = format_mutants(missing, [])
+    assert not missing[0].killed and missing[0].errors, report
+    assert "1 could not be run (harness errors: no verdict)" in report and "cannot be built on this rank" in report
+    assert imported[0].killed and not imported[0].errors, format_mutants(imported, [])
+    assert imported[0].killer.check == "automatic/mlp"

@@ -100,6 +100,8 @@ def make_args(context: Context, name: str, **overrides: Any) -> TrainerArguments
         ddp_timeout=120.0,
         output_dir=run_dir(context, name),
         checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
+        log_every_n_steps=1,  # every step's values are recorded: cells compare the trajectory, not only its end
+        plot_metrics=False,  # the kit's trainers start no drawing process
         # No sanity validation: its evaluation runs on rank zero's buffers, which would hide a
         # strategy that never synchronises the per-rank buffers the kit starts from.
         sanity_val_steps=0,
@@ -168,6 +170,9 @@ def run_cells(
     an error in entering or leaving it is the cell's error too."""
     torch.set_num_threads(1)
     observed: Dict[str, Any] = {}
+    unbuildable = harness_error(context.backend)
+    if unbuildable is not None:
+        return {cell_key(*cell): {"harness": unbuildable} for cell in cells}
     for feature, model in cells:
         key = cell_key(feature, model)
         try:
@@ -178,6 +183,16 @@ def run_cells(
         except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
             observed[key] = {"error": described(error)}
     return observed
+
+
+def harness_error(backend: str) -> Optional[str]:
+    """Why ``backend`` cannot be built in this process (an unknown name: a plugin not imported
+    here), or None: a cell that cannot start is the harness's error, not the backend's verdict."""
+    try:
+        build_backend(backend)
+    except Exception as error:  # any failure to build is reported, with its type
+        return f"backend {backend!r} cannot be built on this rank: {described(error)}"
+    return None
 
 
 def _run_cell(context: Context, feature: str, model: str) -> Dict[str, Any]:

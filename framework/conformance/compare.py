@@ -13,8 +13,9 @@ class Row:
     """One line of the conformance table: a cell (feature/model on some ranks) and its verdict.
 
     ``result`` is PASS, FAIL, REFUSED (declared unsupported by the backend and refused before
-    step 1), KNOWN (a known seam, still failing: see ``KNOWN_SEAMS``) or FIXED (a known seam that
-    passes now: remove it from the list).
+    step 1), KNOWN (a known seam, still failing: see ``KNOWN_SEAMS``), FIXED (a known seam that
+    passes now: remove it from the list) or ERROR (the harness could not start the run: the
+    backend could not be built on a rank, a ``--import`` failed; no verdict on the backend).
     """
 
     check: str
@@ -25,7 +26,8 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        return self.result != "FAIL"
+        """Neither a failed cell nor a run the harness could not start."""
+        return self.result not in ("FAIL", "ERROR")
 
 
 def _difference(got: Any, want: Any) -> float:
@@ -70,12 +72,41 @@ def _compared(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str, 
     return worst <= tolerance and spread == 0.0, figure
 
 
+def first_difference(got: Any, want: Any) -> str:
+    """Where ``got`` first differs from ``want``: the index path and both values (lists and
+    tuples entry by entry, so a long list shows the entry that differs, not a prefix).
+
+    Example:
+        >>> first_difference([0, 1, 2, 3], [0, 1, 5, 3])
+        '[2]: 2 (ref: 5)'
+        >>> first_difference([[4, "a"]], [[4, "b"], [6, "c"]])
+        'length 1 (ref: 2); [0][1]: a (ref: b)'
+    """
+    prefix = ""
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            prefix = f"length {len(got)} (ref: {len(want)}); "
+        for index, (mine, theirs) in enumerate(zip(got, want)):
+            if mine != theirs:
+                inner = first_difference(mine, theirs)
+                return f"{prefix}[{index}]{'' if inner.startswith('[') else ': '}{inner}"
+        if prefix:
+            extra = got[len(want) :] or want[len(got) :]
+            return f"{prefix}first extra entry: {str(extra[0])[:60]}"
+    return f"{prefix}{str(got)[:60]} (ref: {str(want)[:60]})"
+
+
 def _exact(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str) -> Verdict:
     want = reference.get(key)
     got = [rank[key] for rank in ranks if key in rank]
     passed = key in ranks[0] and all(value == want for value in got)
-    shown = str(got[0] if got else None)
-    return passed, f"{key}={shown[:60]}" + ("" if passed else f" (ref: {str(want)[:60]})")
+    if passed:
+        return True, f"{key}={str(got[0])[:60]}"
+    if not got:
+        return False, f"{key} missing (rank 0)"
+    index, value = next((index, value) for index, value in enumerate(got) if value != want)
+    where = f" on rank {index}" if index else ""
+    return False, f"{key}{where} differs at {first_difference(value, want)}"
 
 
 def _resumed(ranks: List[Dict[str, Any]], key: str, tolerance: float) -> Verdict:
@@ -109,6 +140,9 @@ def judge(
     if feature.resumed:
         shown = "bitwise" if not resume_tolerance else f"{resume_tolerance:g}"
     size = len(ranks)
+    harness = next((str(rank["harness"]) for rank in ranks if rank.get("harness")), None)
+    if harness is not None:
+        return Row(cell, size, "ERROR", f"the run never started (harness error): {harness}", shown)
     if declared is not None:
         refusals = [rank.get("refused") for rank in ranks]
         errors = [str(rank["error"]) for rank in ranks if _error(rank)]

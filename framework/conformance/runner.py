@@ -84,7 +84,7 @@ def reference_observations(name: str, cells: List[Cell], workdir: str, cache: Re
 def conformance(
     backend: str,
     imports: Sequence[str] = (),
-    world_sizes: Sequence[int] = (1, 2),
+    world_sizes: Optional[Sequence[int]] = None,
     cells: Optional[Sequence[Cell]] = None,
     workdir: Optional[str] = None,
     timeout: float = 600.0,
@@ -95,8 +95,14 @@ def conformance(
     against ``backend``; return the table's rows.
 
     ``names`` (deprecated: the old check names) selects features. ``world_sizes``: 1 runs in
-    this process; more spawns the ranks (only for a multi-process backend). A cell that needs
-    the 1-rank run (the world-size change) also runs on 1 rank when only 2 are asked.
+    this process; more spawns the ranks (only for a multi-process backend); None: 1 and 2 for a
+    multi-process backend, 1 for a single-process one. A cell that needs the 1-rank run (the
+    world-size change) also runs on 1 rank when only 2 are asked.
+
+    Raises:
+        ValueError: a world size the backend cannot run (more than 1 for a single-process
+            backend, less than 1), or one at which none of ``cells`` runs: the kit runs what it
+            is asked or refuses, it never reports a smaller run as the one asked for.
     """
     for name in imports:
         import_plugin(name)
@@ -109,6 +115,7 @@ def conformance(
     reference_name = reference_backend(backend)
     multi = instance.multi_process
     lower_precision = compute_dtype(backend) is not None or reference_name != "sp"  # autocast or true bf16
+    world_sizes = checked_world_sizes(backend, multi, cells, world_sizes)
     workdir = workdir or tempfile.mkdtemp(prefix="conformance-")
     cache: ReferenceCache = reference_cache if reference_cache is not None else {}
     reference = reference_observations(reference_name, [cell for cell in cells if cell[0] not in declared], workdir, cache)
@@ -127,6 +134,37 @@ def conformance(
             ranks = run_ranks(context, sized, list(imports), world_size, timeout)
         rows += judge_cells(backend, sized, ranks, reference, world_size, lower_precision)
     return rows
+
+
+def checked_world_sizes(backend: str, multi: bool, cells: Sequence[Cell], world_sizes: Optional[Sequence[int]]) -> List[int]:
+    """The world sizes to run: ``world_sizes`` when the backend can run each and some cell runs
+    at each; None: (1, 2) for a multi-process backend, (1,) otherwise.
+
+    Example:
+        >>> checked_world_sizes("sp", False, [("automatic", "mlp")], None)
+        [1]
+        >>> checked_world_sizes("ddp", True, [("automatic", "mlp")], [4])
+        Traceback (most recent call last):
+        ...
+        ValueError: --ranks 4: none of the 1 selected cell(s) runs at 4 ranks (the features run at 1, 2 ranks); allowed here: 1, 2
+    """
+    if world_sizes is None:
+        return [1, 2] if multi else [1]
+    sizes = sorted(set(world_sizes))
+    bad = [size for size in sizes if isinstance(size, bool) or not isinstance(size, int) or size < 1]
+    if bad or not sizes:
+        raise ValueError(f"--ranks {','.join(map(str, world_sizes))}: world sizes must be integers >= 1")
+    if not multi and sizes != [1]:
+        raise ValueError(f"--ranks {','.join(map(str, sizes))}: backend {backend!r} is single-process; allowed: 1")
+    possible = sorted({size for feature, _ in cells for size in FEATURES[feature].ranks})
+    for size in sizes:
+        if not any(runs_at(feature, model, size) for feature, model in cells):
+            raise ValueError(
+                f"--ranks {size}: none of the {len(cells)} selected cell(s) runs at {size} ranks (the features run at "
+                f"{', '.join(map(str, possible))} ranks); allowed here: "
+                f"{', '.join(str(n) for n in possible if any(runs_at(f, m, n) for f, m in cells))}"
+            )
+    return sizes
 
 
 def tolerance_for(backend: str, world_size: int) -> float:

@@ -35,7 +35,11 @@ def _difference(got: Any, want: Any) -> float:
         return abs(float(got) - float(want))
     if not isinstance(got, list) or not isinstance(want, list) or len(got) != len(want):
         return float("inf")
-    return (torch.tensor(got, dtype=torch.float64) - torch.tensor(want, dtype=torch.float64)).abs().max().item() if got else 0.0
+    if not got:
+        return 0.0
+    mine, theirs = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    same = (mine == theirs) | (mine.isnan() & theirs.isnan())  # the same inf (a skipped step's loss) or both NaN
+    return torch.where(same, torch.zeros_like(mine), (mine - theirs).abs()).max().item()
 
 
 def _error(observed: Dict[str, Any]) -> Optional[str]:
@@ -106,14 +110,19 @@ def _exact(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str) -> 
         return False, f"{key} missing (rank 0)"
     index, value = next((index, value) for index, value in enumerate(got) if value != want)
     where = f" on rank {index}" if index else ""
-    return False, f"{key}{where} differs at {first_difference(value, want)}"
+    if isinstance(value, (list, tuple)) and isinstance(want, (list, tuple)):
+        return False, f"{key}{where} differs at {first_difference(value, want)}"
+    return False, f"{key}{where} = {str(value)[:60]} (ref: {str(want)[:60]})"
 
 
 def _resumed(ranks: List[Dict[str, Any]], key: str, tolerance: float) -> Verdict:
+    """``key`` against the uninterrupted run's (``"abrupt:history"`` against ``"uninterrupted:history"``)."""
     for rank in ranks:
         if isinstance(rank.get(key), str):
             return False, f"{key}: {rank[key]}"
-    worst = max(_difference(rank.get(key), rank.get("uninterrupted")) for rank in ranks)
+    _, colon, part = key.partition(":")
+    baseline = "uninterrupted" + colon + part
+    worst = max(_difference(rank.get(key), rank.get(baseline)) for rank in ranks)
     return worst <= tolerance, f"{key}: max |resumed - uninterrupted| = {worst:.2g}"
 
 

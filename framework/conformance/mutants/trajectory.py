@@ -1,0 +1,23 @@
+"""Mutants that change a run's path but not where it ends: killed only by the trajectory a cell
+records (the step a resume started from, what the checkpoint directory holds, each step's values).
+One fault each."""
+
+from typing import Any, Callable, Dict, Tuple
+
+from backends import DDP, FullPrecision
+from backends.checkpoint_io.base import CheckpointIO
+from framework.conformance.mutants.library import Kill, backend, register_mutant
+
+
+class NeverRenamed(DDP):
+    """Writes each checkpoint under a temporary name it never renames into place: every resume restarts from step 0."""
+
+    def save_checkpoint(self, path: str, state: Dict[str, Any], io: CheckpointIO, copy: bool = False) -> Callable[[], None]:
+        return super().save_checkpoint(path + ".tmp", state, io, copy)
+
+
+def _register(name: str, strategy: Any, kills: Tuple[Kill, ...], kind: str, precision: Any = FullPrecision) -> None:
+    register_mutant(name, backend(strategy, precision), (strategy.__doc__ or "").strip().splitlines()[0], kills, kind)
+
+
+_register("mutant-ddp-never-renamed", NeverRenamed, (("resume_kill9", "mlp", 2),), "state")

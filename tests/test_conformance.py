@@ -11,7 +11,7 @@ import importlib
 import os
 import subprocess
 import sys
-from typing import ClassVar, Dict
+from typing import ClassVar, Dict, Optional
 
 import pytest
 
@@ -322,3 +322,41 @@ def test_an_outside_mutant_is_built_on_the_spawned_ranks_and_a_harness_error_is_
     assert "1 could not be run (harness errors: no verdict)" in report and "cannot be built on this rank" in report
     assert imported[0].killed and not imported[0].errors, format_mutants(imported, [])
     assert imported[0].killer.check == "automatic/mlp"
+
+
+class _BF16AgainstFP32(TrainerBackend):
+    """A correct new precision (true bf16) that names fp32 ``sp`` as its reference and declares its dtype."""
+
+    conformance_reference: ClassVar[Optional[str]] = "sp"
+    conformance_compute_dtype: ClassVar[Optional[str]] = "bfloat16"
+
+
+class _NamesNoReference(TrainerBackend):
+    conformance_reference: ClassVar[Optional[str]] = "sp-nowhere"
+
+
+def test_a_backend_declares_its_reference_and_is_judged_in_its_own_dtype(tmp_path, reference_cache):
+    from backends import TrueBF16
+
+    register_backend("sp-bf16-vs-sp", lambda args: _BF16AgainstFP32(SingleProcess.from_arguments(args), TrueBF16()))
+    register_backend("sp-no-reference", lambda args: _NamesNoReference(SingleProcess.from_arguments(args)))
+    try:
+        rows = conformance("sp-bf16-vs-sp", cells=[("automatic", "mlp")], workdir=str(tmp_path), reference_cache=reference_cache)
+        with pytest.raises(ValueError, match=r"conformance_reference='sp-nowhere', which is not registered"):
+            conformance("sp-no-reference", cells=[("automatic", "mlp")], workdir=str(tmp_path / "b"))
+    finally:
+        unregister_backend("sp-bf16-vs-sp")
+        unregister_backend("sp-no-reference")
+    table = format_table("sp-bf16-vs-sp", rows)
+    assert [(row.result, row.tolerance) for row in rows] == [("PASS", "0.05")], table
+    assert "max |state - ref|" in rows[0].figure and rows[0].figure != "max |state - ref| = 0", table
+
+
+def test_a_grad_scaler_precision_is_compared_with_the_scaled_reference(tmp_path, reference_cache):
+    from framework.conformance.runner import reference_backend
+
+    assert reference_backend("sp-scaled-amp") == "sp-scaled-amp" and reference_backend("sp-amp") == "sp-amp"
+    rows = conformance(
+        "sp-scaled-amp", cells=[("nan_stop", "mlp"), ("overflow", "mlp")], workdir=str(tmp_path), reference_cache=reference_cache
+    )
+    assert [row.result for row in rows] == ["PASS", "PASS"], format_table("sp-scaled-amp", rows)

@@ -11,6 +11,7 @@ from framework.conformance import (  # noqa: F401
     features_evaluation,
     features_probes,
     features_resume,
+    features_scaling,
     features_training,
     zoo,
     zoo_layouts,

@@ -75,6 +75,7 @@ class KitNet(ModuleInterface):
     Args:
         samples: training samples.
         nan_at_step: from this optimizer step on, the loss is NaN.
+        inf_at_step: at this optimizer step only, the loss is inf (an overflow).
         loader: ``"sampler"`` (the framework's), ``"workers"`` (augmentation in 2 loader
             workers) or ``"stream"`` (an ``IterableDataset`` read by 2 workers).
         manual: manual optimization with two optimizers (the body clipped, then the head on
@@ -112,6 +113,7 @@ class KitNet(ModuleInterface):
         fits: Optional[int] = None,
         optimizers: int = 1,
         probes: bool = False,
+        inf_at_step: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.build()
@@ -124,6 +126,7 @@ class KitNet(ModuleInterface):
             self.train_data = with_large_ids(self.train_data)
             self.val_data = with_large_ids(self.val_data)
         self.nan_at_step = nan_at_step
+        self.inf_at_step = inf_at_step
         self.loader = loader
         self.fits = fits
         if optimizers not in (1, 2):
@@ -218,6 +221,8 @@ class KitNet(ModuleInterface):
         self.log_probes("train", (prediction.float() - y).pow(2).mean(1))
         if self.nan_at_step is not None and global_step >= self.nan_at_step:
             loss = loss * float("nan")
+        if global_step == self.inf_at_step:  # one overflowing step: a GradScaler skips it and halves its scale
+            loss = loss * float("inf")
         return loss
 
     def _manual_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -59,14 +59,16 @@ class AbruptStop(BaseException):
 
 
 class StopAt(Callback):
-    """At optimizer step ``step``: send ``how`` (a signal name) to this process, or end the
-    run abruptly (``how="abrupt"``)."""
+    """At optimizer step ``step`` (``step + skew * rank`` on rank ``rank``: signals arriving a step
+    apart, as a launcher's reach each rank): send ``how`` (a signal name) to this process, or end
+    the run abruptly (``how="abrupt"``)."""
 
-    def __init__(self, step: int, how: str) -> None:
-        self.step, self.how = step, how
+    def __init__(self, step: int, how: str, skew: int = 0) -> None:
+        self.step, self.how, self.skew = step, how, skew
 
     def on_end_optimizer_step(self, global_step: int) -> None:
-        if global_step == self.step:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if global_step == self.step + self.skew * rank:
             if self.how == "abrupt":
                 raise AbruptStop(f"stopped abruptly at step {global_step}")
             os.kill(os.getpid(), getattr(signal, self.how))

@@ -31,37 +31,42 @@ def _uninterrupted(context: Context, model: str) -> Dict[str, Any]:
     return {"uninterrupted": full_state(trainer), "uninterrupted:history": observed_path(trainer, trajectory)["history"]}
 
 
-def _stopped(context: Context, model: str, name: str, how: str, step: int = 5) -> Tuple[str, List[List[str]]]:
-    """Train until ``how`` stops the run at ``step``; return the checkpoint directory and what it
-    held after each save."""
+def _stopped(
+    context: Context, model: str, name: str, how: str, step: int = 5, skew: int = 0, **overrides: Any
+) -> Tuple[str, List[List[str]]]:
+    """Train until ``how`` stops the run at ``step`` (``skew``: a step later on each next rank);
+    return the checkpoint directory and what it held after each save."""
     checkpoints = saving(context, name)
     trajectory = Trajectory(checkpoints.save_dir)
-    args = make_args(context, name, checkpointer_args=checkpoints)
+    args = make_args(context, name, checkpointer_args=checkpoints, **overrides)
     with contextlib.suppress(TrainingPreempted, AbruptStop):
-        make_trainer(context, model, args, [StopAt(step, how), trajectory]).train()
+        make_trainer(context, model, args, [StopAt(step, how, skew), trajectory]).train()
     barrier()
     trajectory.list_checkpoints()
     return checkpoints.save_dir or "", trajectory.listings
 
 
-def _resumed(context: Context, model: str, name: str) -> Dict[str, Any]:
+def _resumed(context: Context, model: str, name: str, **overrides: Any) -> Dict[str, Any]:
     checkpoints = saving(context, name)
     trajectory = Trajectory(checkpoints.save_dir)
-    resumed = make_trainer(context, model, make_args(context, name, checkpointer_args=checkpoints), [trajectory])
+    args = make_args(context, name, checkpointer_args=checkpoints, **overrides)
+    resumed = make_trainer(context, model, args, [trajectory])
     resumed.train()
     return {"state": full_state(resumed), **observed_path(resumed, trajectory)}
 
 
-def _scenario(context: Context, model: str, name: str, how: str, step: int = 5, damage: bool = False) -> Dict[str, Any]:
+def _scenario(
+    context: Context, model: str, name: str, how: str, step: int = 5, damage: bool = False, skew: int = 0, **overrides: Any
+) -> Dict[str, Any]:
     """The resumed run's state and history (``name`` and ``name:history``), the step it started
     from and what the checkpoint directory held after each save of both runs; or the error that
     ended it (one scenario must not hide the others)."""
     try:
-        save_dir, listings = _stopped(context, model, name, how, step)
+        save_dir, listings = _stopped(context, model, name, how, step, skew, **overrides)
         if damage and context.rank == 0:
             damage_latest_checkpoint(save_dir)
         barrier()
-        resumed = _resumed(context, model, name)
+        resumed = _resumed(context, model, name, **overrides)
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # DCP raises BaseException
@@ -98,15 +103,26 @@ def resume_kill9(context: Context, model: str) -> Dict[str, Any]:
     }
 
 
-@register_feature("resume_signal", **_resume_features("SIGTERM", "SIGUSR1"))
+_SIGNALS = _resume_features("SIGTERM", "SIGUSR1")
+
+
+@register_feature(
+    "resume_signal",
+    compare=(),
+    resumed=(*_SIGNALS["resumed"], "skewed"),
+    exact=_SIGNALS["exact"],
+)
 def resume_signal(context: Context, model: str) -> Dict[str, Any]:
-    """SIGTERM at step 5 and SIGUSR1 at step 3 (preemption: a checkpoint at that step), each
-    resumed to the end: equal to an uninterrupted run of the same backend, step by step; resumed
-    from the reference's step, with the reference's checkpoints on disk."""
+    """SIGTERM at step 5 and SIGUSR1 at step 3 (preemption: a checkpoint at that step), and SIGTERM
+    a step apart on each rank (step 3 on rank 0, 4 on rank 1, no log point in between, where stop
+    requests ride on the loss all-reduce: the ranks must agree on one stop step), each resumed to
+    the end: equal to an uninterrupted run of the same backend, step by step; resumed from the
+    reference's step, with the reference's checkpoints on disk."""
     return {
         **_uninterrupted(context, model),
         **_scenario(context, model, "SIGTERM", "SIGTERM", 5),
         **_scenario(context, model, "SIGUSR1", "SIGUSR1", 3),
+        **_scenario(context, model, "skewed", "SIGTERM", 3, skew=1, log_every_n_steps=50),
     }
 
 

@@ -16,8 +16,16 @@ class NeverRenamed(DDP):
         return super().save_checkpoint(path + ".tmp", state, io, copy)
 
 
+class LocalPreemption(DDP):
+    """Each rank stops at the step its own preemption signal arrived, without agreeing with the others."""
+
+    def preemption_agreed(self, signal_pending: bool, global_step: int) -> bool:
+        return signal_pending
+
+
 def _register(name: str, strategy: Any, kills: Tuple[Kill, ...], kind: str, precision: Any = FullPrecision) -> None:
     register_mutant(name, backend(strategy, precision), (strategy.__doc__ or "").strip().splitlines()[0], kills, kind)
 
 
 _register("mutant-ddp-never-renamed", NeverRenamed, (("resume_kill9", "mlp", 2),), "state")
+_register("mutant-ddp-local-preemption", LocalPreemption, (("resume_signal", "mlp", 2),), "collectives")

@@ -116,14 +116,18 @@ def _exact(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str) -> 
 
 
 def _resumed(ranks: List[Dict[str, Any]], key: str, tolerance: float) -> Verdict:
-    """``key`` against the uninterrupted run's (``"abrupt:history"`` against ``"uninterrupted:history"``)."""
+    """``key`` against the uninterrupted run's (``"abrupt:history"`` against ``"uninterrupted:history"``),
+    or ``"a@b"``: the key ``a`` against the same run's key ``b``."""
+    key, at, other = key.partition("@")
     for rank in ranks:
         if isinstance(rank.get(key), str):
             return False, f"{key}: {rank[key]}"
     _, colon, part = key.partition(":")
-    baseline = "uninterrupted" + colon + part
+    baseline = other if at else "uninterrupted" + colon + part
     worst = max(_difference(rank.get(key), rank.get(baseline)) for rank in ranks)
-    return worst <= tolerance, f"{key}: max |resumed - uninterrupted| = {worst:.2g}"
+    spread = max(_difference(rank.get(key), ranks[0].get(key)) for rank in ranks)
+    shown = f"{key}: max |{key} - {other}|" if at else f"{key}: max |resumed - uninterrupted|"
+    return worst <= tolerance and spread == 0.0, f"{shown} = {worst:.2g}" + (f", ranks differ by {spread:.2g}" if spread else "")
 
 
 def _own_checks(ranks: List[Dict[str, Any]]) -> List[Verdict]:

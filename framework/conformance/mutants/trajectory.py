@@ -2,7 +2,10 @@
 records (the step a resume started from, what the checkpoint directory holds, each step's values).
 One fault each."""
 
-from typing import Any, Callable, Dict, Tuple
+import contextlib
+from typing import Any, Callable, ContextManager, Dict, Tuple
+
+import torch
 
 from backends import DDP, FullPrecision
 from backends.checkpoint_io.base import CheckpointIO
@@ -29,3 +32,13 @@ def _register(name: str, strategy: Any, kills: Tuple[Kill, ...], kind: str, prec
 
 _register("mutant-ddp-never-renamed", NeverRenamed, (("resume_kill9", "mlp", 2),), "state")
 _register("mutant-ddp-local-preemption", LocalPreemption, (("resume_signal", "mlp", 2),), "collectives")
+
+
+class OwnBuffersInEvaluation(DDP):
+    """Evaluates on each rank's own buffers (batch norm's running statistics), not rank zero's, which checkpoints keep."""
+
+    def inference(self, module: torch.nn.Module) -> ContextManager:
+        return contextlib.nullcontext()
+
+
+_register("mutant-ddp-own-buffers-in-evaluation", OwnBuffersInEvaluation, (("evaluate_buffers", "batchnorm", 2),), "evaluation")

@@ -30,7 +30,19 @@ class Row:
         return self.result not in ("FAIL", "ERROR")
 
 
-def _difference(got: Any, want: Any) -> float:
+RELATIVE = ("history", "validated")
+"""Keys whose values span magnitudes (sums of per-sample errors, loss scales): compared relative to
+the reference past 1 (``|got - want| / max(1, |want|)``), as summation order's error grows with the value."""
+
+
+def _difference(got: Any, want: Any, relative: bool = False) -> float:
+    """The largest entry-wise difference (inf when the shapes differ); ``relative``: divided by
+    ``max(1, |want|)``.
+
+    Example:
+        >>> _difference([1.0, 200.0], [1.0, 200.002]), round(_difference([1.0, 200.0], [1.0, 200.002], relative=True), 7)
+        (0.0020000000000095497, 1e-05)
+    """
     if isinstance(got, (int, float)) and isinstance(want, (int, float)):
         return abs(float(got) - float(want))
     if not isinstance(got, list) or not isinstance(want, list) or len(got) != len(want):
@@ -39,7 +51,8 @@ def _difference(got: Any, want: Any) -> float:
         return 0.0
     mine, theirs = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
     same = (mine == theirs) | (mine.isnan() & theirs.isnan())  # the same inf (a skipped step's loss) or both NaN
-    return torch.where(same, torch.zeros_like(mine), (mine - theirs).abs()).max().item()
+    gap = (mine - theirs).abs() / (theirs.abs().clamp(min=1.0) if relative else 1.0)
+    return torch.where(same, torch.zeros_like(mine), gap).max().item()
 
 
 def _error(observed: Dict[str, Any]) -> Optional[str]:
@@ -70,9 +83,11 @@ def _compared(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str, 
     having = [rank for rank in ranks if key in rank]
     if key not in ranks[0] or key not in reference:
         return False, f"{key} missing ({'reference' if key not in reference else 'rank 0'})"
-    worst = max(_difference(rank[key], reference[key]) for rank in having)
+    relative = key in RELATIVE
+    worst = max(_difference(rank[key], reference[key], relative) for rank in having)
     spread = max(_difference(rank[key], having[0][key]) for rank in having)
-    figure = f"max |{key} - ref| = {worst:.2g}" + (f", ranks differ by {spread:.2g}" if spread else "")
+    shown = f"max |{key} - ref| / max(1, |ref|)" if relative else f"max |{key} - ref|"
+    figure = f"{shown} = {worst:.2g}" + (f", ranks differ by {spread:.2g}" if spread else "")
     return worst <= tolerance and spread == 0.0, figure
 
 

@@ -139,7 +139,7 @@ def run_mutants(
     return mutants, [verdict for name, verdict in verdicts.items() if name not in MUTANTS]
 
 
-_NUMBER = re.compile(r"max \|[^|]+\| = ([0-9.eE+-]+|inf|nan)")
+_NUMBER = re.compile(r"max \|[^|]+\|(?: / max\(1, \|ref\|\))? = ([0-9.eE+-]+|inf|nan)")
 
 
 def largest_figure(row: Row) -> float:

@@ -45,6 +45,16 @@ class TrainerBackend:
     """Conformance checks this backend declares it does not support, by check name (``"manual"``,
     ``"resume"``...) with the reason; ``python -m framework.conformance`` reports them as declared
     refusals instead of running them. The backend must then refuse the feature before step 1."""
+    conformance_reference: ClassVar[Optional[str]] = None
+    """The registered backend the conformance kit compares this one with (None: the kit chooses:
+    the built-in single-process backend of the closest precision class, ``sp-scaled-amp`` for a
+    precision with a GradScaler). A new precision that no built-in computes as names the closest
+    one (``"sp"``) and declares :attr:`conformance_compute_dtype`. See docs/backends.md,
+    "Tolerances and results"."""
+    conformance_compute_dtype: ClassVar[Optional[str]] = None
+    """The dtype this backend's forwards compute in (``"float16"``), declared where it differs from
+    its conformance reference's: the kit then checks that ``train_step`` computes in it and compares
+    within its lower-precision tolerance on every world size (1 rank included) instead of bitwise."""
     resume_tolerance: float = 0.0
     """Largest parameter difference between a resumed run and an uninterrupted one that the
     conformance kit accepts (0.0: bitwise, what the built-in backends promise)."""

@@ -16,7 +16,6 @@ __all__ = ["AbortsOnBuffers", "DroppingNoSync", "NoAllReduce", "NoBroadcast", "S
 register_backend("ddp-no-allreduce", backend(NoAllReduce, FullPrecision), override=True)
 register_backend("ddp-no-broadcast", backend(NoBroadcast, FullPrecision), override=True)
 register_backend("ddp-dropping-no-sync", backend(DroppingNoSync, FullPrecision), override=True)
-register_backend("sp-scaled-amp", backend(SingleProcess, ScaledAmp), override=True)
 register_backend("sp-scaled-amp-no-unscale", backend(SingleProcess, ScaledAmpNoUnscale), override=True)
 
 

@@ -11,7 +11,7 @@ import importlib
 import os
 import subprocess
 import sys
-from typing import ClassVar, Dict
+from typing import ClassVar, Dict, Optional
 
 import pytest
 
@@ -265,3 +265,98 @@ def test_a_declared_refusal_must_come_before_step_1(tmp_path, reference_cache):
     assert [(row.check, row.result) for row in refused] == [("manual/mlp", "REFUSED")]
     assert "does not support manual optimization; use backend 'sp'" in refused[0].figure
     assert [row.result for row in ran] == ["FAIL"] and "without refusing" in ran[0].figure
+
+
+def test_ranks_the_kit_cannot_run_as_asked_are_refused_naming_the_size(capsys):
+    from framework.conformance.__main__ import main
+
+    assert main(["ddp", "--ranks", "4", "--features", "automatic", "--models", "mlp"]) == 2
+    assert "--ranks 4: none of the 1 selected cell(s) runs at 4 ranks" in capsys.readouterr().err
+    assert main(["sp", "--ranks", "2", "--features", "automatic", "--models", "mlp"]) == 2
+    assert "backend 'sp' is single-process; allowed: 1" in capsys.readouterr().err
+    assert main(["sp", "--ranks", "0", "--features", "automatic", "--models", "mlp"]) == 2
+    assert "world sizes must be integers >= 1" in capsys.readouterr().err
+
+
+def test_an_exact_check_names_the_first_entry_that_differs_past_any_prefix():
+    from framework.conformance.compare import _exact
+
+    want = list(range(100))
+    got = [*want[:77], -1, *want[78:]]
+    passed, figure = _exact([{"seen": want}, {"seen": got}], {"seen": want}, "seen")
+    assert not passed and figure == "seen on rank 1 differs at [77]: -1 (ref: 77)"
+
+
+_OUTSIDE_MUTANT = """
+from backends import FullPrecision
+from framework.conformance.mutants.collectives import NoAllReduce
+from framework.conformance.mutants.library import backend, register_mutant
+
+register_mutant(
+    "mutant-outside-ddp-no-allreduce", backend(NoAllReduce, FullPrecision), "never averages gradients",
+    (("automatic", "mlp", 2),), "collectives", control="ddp",
+)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_outside_mutant_is_built_on_the_spawned_ranks_and_a_harness_error_is_no_kill(tmp_path):
+    from framework.conformance.mutants import MUTANTS
+    from framework.conformance.mutation import format_mutants, run_mutants
+
+    package = tmp_path / "outside_mutants"
+    package.mkdir()
+    (package / "__init__.py").write_text(_OUTSIDE_MUTANT, encoding="utf-8")
+    from framework.conformance.ranks import import_plugin
+
+    import_plugin(str(package))  # a package directory, as --import takes it
+    try:
+        name = "mutant-outside-ddp-no-allreduce"
+        missing, _ = run_mutants([name], workdir=str(tmp_path / "a"), controls=False)  # the ranks never import it
+        imported, _ = run_mutants([name], workdir=str(tmp_path / "b"), controls=False, imports=[str(package)])
+    finally:
+        MUTANTS.pop("mutant-outside-ddp-no-allreduce", None)
+    report = format_mutants(missing, [])
+    assert not missing[0].killed and missing[0].errors, report
+    assert "1 could not be run (harness errors: no verdict)" in report and "cannot be built on this rank" in report
+    assert imported[0].killed and not imported[0].errors, format_mutants(imported, [])
+    assert imported[0].killer.check == "automatic/mlp"
+
+
+class _BF16AgainstFP32(TrainerBackend):
+    """A correct new precision (true bf16) that names fp32 ``sp`` as its reference and declares its dtype."""
+
+    conformance_reference: ClassVar[Optional[str]] = "sp"
+    conformance_compute_dtype: ClassVar[Optional[str]] = "bfloat16"
+
+
+class _NamesNoReference(TrainerBackend):
+    conformance_reference: ClassVar[Optional[str]] = "sp-nowhere"
+
+
+def test_a_backend_declares_its_reference_and_is_judged_in_its_own_dtype(tmp_path, reference_cache):
+    from backends import TrueBF16
+
+    register_backend("sp-bf16-vs-sp", lambda args: _BF16AgainstFP32(SingleProcess.from_arguments(args), TrueBF16()))
+    register_backend("sp-no-reference", lambda args: _NamesNoReference(SingleProcess.from_arguments(args)))
+    try:
+        rows = conformance("sp-bf16-vs-sp", cells=[("automatic", "mlp")], workdir=str(tmp_path), reference_cache=reference_cache)
+        with pytest.raises(ValueError, match=r"conformance_reference='sp-nowhere', which is not registered"):
+            conformance("sp-no-reference", cells=[("automatic", "mlp")], workdir=str(tmp_path / "b"))
+    finally:
+        unregister_backend("sp-bf16-vs-sp")
+        unregister_backend("sp-no-reference")
+    table = format_table("sp-bf16-vs-sp", rows)
+    assert [(row.result, row.tolerance) for row in rows] == [("PASS", "0.05")], table
+    assert "max |state - ref|" in rows[0].figure and rows[0].figure != "max |state - ref| = 0", table
+
+
+def test_a_grad_scaler_precision_is_compared_with_the_scaled_reference(tmp_path, reference_cache):
+    from framework.conformance.runner import reference_backend
+
+    assert reference_backend("sp-scaled-amp") == "sp-scaled-amp" and reference_backend("sp-amp") == "sp-amp"
+    rows = conformance(
+        "sp-scaled-amp", cells=[("nan_stop", "mlp"), ("overflow", "mlp")], workdir=str(tmp_path), reference_cache=reference_cache
+    )
+    assert [row.result for row in rows] == ["PASS", "PASS"], format_table("sp-scaled-amp", rows)

@@ -7,7 +7,15 @@ See ``docs/backends.md``. Features and model shapes register themselves
 :func:`conformance` returns the rows; :func:`format_table` prints them.
 """
 
-from framework.conformance import features_evaluation, features_resume, features_training, zoo, zoo_layouts  # noqa: F401
+from framework.conformance import (  # noqa: F401
+    features_evaluation,
+    features_probes,
+    features_resume,
+    features_scaling,
+    features_training,
+    zoo,
+    zoo_layouts,
+)
 from framework.conformance.compare import Row
 from framework.conformance.matrix import KNOWN_SEAMS, all_cells, covering, quick_cells
 from framework.conformance.registry import FEATURES, MODELS, Feature, register_feature, register_model

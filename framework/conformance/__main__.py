@@ -1,7 +1,8 @@
 """``python -m framework.conformance BACKEND [--import MODULE] [--all]``: print the table of
 cells (``--mutants``: the mutation score of the mutant library instead); exit 0 only when no
-cell fails (a cell the backend declares unsupported must be refused
-before step 1; a known seam is reported, not failed)."""
+cell fails and every run started (a cell the backend declares unsupported must be refused
+before step 1; a known seam is reported, not failed); exit 2 when the request is refused
+(``--ranks`` at which no selected cell runs, a single-process backend on several ranks)."""
 
 import argparse
 import sys
@@ -41,7 +42,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--features", default=None, help=f"comma-separated subset of: {', '.join(FEATURES)}")
     parser.add_argument("--models", default=None, help=f"comma-separated subset of: {', '.join(MODELS)}")
     parser.add_argument("--checks", default=None, help="deprecated: --features (older names are translated)")
-    parser.add_argument("--ranks", default="1,2", help="world sizes to run, e.g. 1,2 (default) or 2")
+    parser.add_argument(
+        "--ranks",
+        default=None,
+        help="world sizes to run, e.g. 1,2 or 2 (default: 1,2 for a multi-process backend, 1 otherwise); "
+        "a size no selected cell runs at is refused",
+    )
     parser.add_argument("--workdir", default=None, help="where runs write (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the multi-rank run may take")
     options = parser.parse_args(argv)
@@ -55,14 +61,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         cells: Optional[List[Cell]] = all_cells(features, models)
     else:  # the default: the quick subset and (conformance's own default) the cells the shapes target on the backend
         cells = quick_cells(features, models) if features or models else None
-    rows = conformance(
-        options.backend,
-        imports=options.imports,
-        world_sizes=[int(size) for size in options.ranks.split(",")],
-        cells=cells,
-        workdir=options.workdir,
-        timeout=options.timeout,
-    )
+    try:
+        sizes = [int(size) for size in options.ranks.split(",")] if options.ranks else None
+    except ValueError:
+        parser.error(f"--ranks {options.ranks}: allowed: comma-separated integers >= 1, e.g. 1,2")
+    try:
+        rows = conformance(
+            options.backend,
+            imports=options.imports,
+            world_sizes=sizes,
+            cells=cells,
+            workdir=options.workdir,
+            timeout=options.timeout,
+        )
+    except ValueError as error:  # a request the kit cannot run as asked: refused, nothing reported as run
+        print(f"python -m framework.conformance: error: {error}", file=sys.stderr, flush=True)
+        return 2
     print(format_table(options.backend, rows), flush=True)
     return 0 if rows and all(row.ok for row in rows) else 1
 
@@ -72,9 +86,12 @@ def _mutants(options: argparse.Namespace) -> int:
 
     for name in options.imports:
         import_plugin(name)
-    mutants, controls = run_mutants(_names(options.only), every=options.all, workdir=options.workdir, timeout=options.timeout)
+    mutants, controls = run_mutants(
+        _names(options.only), every=options.all, workdir=options.workdir, timeout=options.timeout, imports=options.imports
+    )
     print((markdown_mutants if options.markdown else format_mutants)(mutants, controls), flush=True)
-    passed = all(verdict.killed for verdict in mutants) and all(row.ok for verdict in controls for row in verdict.rows)
+    passed = all(verdict.killed and not verdict.errors for verdict in mutants)
+    passed = passed and all(row.ok for verdict in controls for row in verdict.rows)
     return 0 if passed else 1
 
 

@@ -59,14 +59,16 @@ class AbruptStop(BaseException):
 
 
 class StopAt(Callback):
-    """At optimizer step ``step``: send ``how`` (a signal name) to this process, or end the
-    run abruptly (``how="abrupt"``)."""
+    """At optimizer step ``step`` (``step + skew * rank`` on rank ``rank``: signals arriving a step
+    apart, as a launcher's reach each rank): send ``how`` (a signal name) to this process, or end
+    the run abruptly (``how="abrupt"``)."""
 
-    def __init__(self, step: int, how: str) -> None:
-        self.step, self.how = step, how
+    def __init__(self, step: int, how: str, skew: int = 0) -> None:
+        self.step, self.how, self.skew = step, how, skew
 
     def on_end_optimizer_step(self, global_step: int) -> None:
-        if global_step == self.step:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if global_step == self.step + self.skew * rank:
             if self.how == "abrupt":
                 raise AbruptStop(f"stopped abruptly at step {global_step}")
             os.kill(os.getpid(), getattr(signal, self.how))
@@ -100,6 +102,8 @@ def make_args(context: Context, name: str, **overrides: Any) -> TrainerArguments
         ddp_timeout=120.0,
         output_dir=run_dir(context, name),
         checkpointer_args=DefaultCheckpointerArguments(period=0, save_at_end=False),
+        log_every_n_steps=1,  # every step's values are recorded: cells compare the trajectory, not only its end
+        plot_metrics=False,  # the kit's trainers start no drawing process
         # No sanity validation: its evaluation runs on rank zero's buffers, which would hide a
         # strategy that never synchronises the per-rank buffers the kit starts from.
         sanity_val_steps=0,
@@ -168,6 +172,9 @@ def run_cells(
     an error in entering or leaving it is the cell's error too."""
     torch.set_num_threads(1)
     observed: Dict[str, Any] = {}
+    unbuildable = harness_error(context.backend)
+    if unbuildable is not None:
+        return {cell_key(*cell): {"harness": unbuildable} for cell in cells}
     for feature, model in cells:
         key = cell_key(feature, model)
         try:
@@ -178,6 +185,16 @@ def run_cells(
         except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is a BaseException
             observed[key] = {"error": described(error)}
     return observed
+
+
+def harness_error(backend: str) -> Optional[str]:
+    """Why ``backend`` cannot be built in this process (an unknown name: a plugin not imported
+    here), or None: a cell that cannot start is the harness's error, not the backend's verdict."""
+    try:
+        build_backend(backend)
+    except Exception as error:  # any failure to build is reported, with its type
+        return f"backend {backend!r} cannot be built on this rank: {described(error)}"
+    return None
 
 
 def _run_cell(context: Context, feature: str, model: str) -> Dict[str, Any]:

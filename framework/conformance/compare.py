@@ -13,8 +13,9 @@ class Row:
     """One line of the conformance table: a cell (feature/model on some ranks) and its verdict.
 
     ``result`` is PASS, FAIL, REFUSED (declared unsupported by the backend and refused before
-    step 1), KNOWN (a known seam, still failing: see ``KNOWN_SEAMS``) or FIXED (a known seam that
-    passes now: remove it from the list).
+    step 1), KNOWN (a known seam, still failing: see ``KNOWN_SEAMS``), FIXED (a known seam that
+    passes now: remove it from the list) or ERROR (the harness could not start the run: the
+    backend could not be built on a rank, a ``--import`` failed; no verdict on the backend).
     """
 
     check: str
@@ -25,15 +26,33 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        return self.result != "FAIL"
+        """Neither a failed cell nor a run the harness could not start."""
+        return self.result not in ("FAIL", "ERROR")
 
 
-def _difference(got: Any, want: Any) -> float:
+RELATIVE = ("history", "validated")
+"""Keys whose values span magnitudes (sums of per-sample errors, loss scales): compared relative to
+the reference past 1 (``|got - want| / max(1, |want|)``), as summation order's error grows with the value."""
+
+
+def _difference(got: Any, want: Any, relative: bool = False) -> float:
+    """The largest entry-wise difference (inf when the shapes differ); ``relative``: divided by
+    ``max(1, |want|)``.
+
+    Example:
+        >>> _difference([1.0, 200.0], [1.0, 200.002]), round(_difference([1.0, 200.0], [1.0, 200.002], relative=True), 7)
+        (0.0020000000000095497, 1e-05)
+    """
     if isinstance(got, (int, float)) and isinstance(want, (int, float)):
         return abs(float(got) - float(want))
     if not isinstance(got, list) or not isinstance(want, list) or len(got) != len(want):
         return float("inf")
-    return (torch.tensor(got, dtype=torch.float64) - torch.tensor(want, dtype=torch.float64)).abs().max().item() if got else 0.0
+    if not got:
+        return 0.0
+    mine, theirs = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    same = (mine == theirs) | (mine.isnan() & theirs.isnan())  # the same inf (a skipped step's loss) or both NaN
+    gap = (mine - theirs).abs() / (theirs.abs().clamp(min=1.0) if relative else 1.0)
+    return torch.where(same, torch.zeros_like(mine), gap).max().item()
 
 
 def _error(observed: Dict[str, Any]) -> Optional[str]:
@@ -64,26 +83,66 @@ def _compared(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str, 
     having = [rank for rank in ranks if key in rank]
     if key not in ranks[0] or key not in reference:
         return False, f"{key} missing ({'reference' if key not in reference else 'rank 0'})"
-    worst = max(_difference(rank[key], reference[key]) for rank in having)
+    relative = key in RELATIVE
+    worst = max(_difference(rank[key], reference[key], relative) for rank in having)
     spread = max(_difference(rank[key], having[0][key]) for rank in having)
-    figure = f"max |{key} - ref| = {worst:.2g}" + (f", ranks differ by {spread:.2g}" if spread else "")
+    shown = f"max |{key} - ref| / max(1, |ref|)" if relative else f"max |{key} - ref|"
+    figure = f"{shown} = {worst:.2g}" + (f", ranks differ by {spread:.2g}" if spread else "")
     return worst <= tolerance and spread == 0.0, figure
+
+
+def first_difference(got: Any, want: Any) -> str:
+    """Where ``got`` first differs from ``want``: the index path and both values (lists and
+    tuples entry by entry, so a long list shows the entry that differs, not a prefix).
+
+    Example:
+        >>> first_difference([0, 1, 2, 3], [0, 1, 5, 3])
+        '[2]: 2 (ref: 5)'
+        >>> first_difference([[4, "a"]], [[4, "b"], [6, "c"]])
+        'length 1 (ref: 2); [0][1]: a (ref: b)'
+    """
+    prefix = ""
+    if isinstance(got, (list, tuple)) and isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            prefix = f"length {len(got)} (ref: {len(want)}); "
+        for index, (mine, theirs) in enumerate(zip(got, want)):
+            if mine != theirs:
+                inner = first_difference(mine, theirs)
+                return f"{prefix}[{index}]{'' if inner.startswith('[') else ': '}{inner}"
+        if prefix:
+            extra = got[len(want) :] or want[len(got) :]
+            return f"{prefix}first extra entry: {str(extra[0])[:60]}"
+    return f"{prefix}{str(got)[:60]} (ref: {str(want)[:60]})"
 
 
 def _exact(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str) -> Verdict:
     want = reference.get(key)
     got = [rank[key] for rank in ranks if key in rank]
     passed = key in ranks[0] and all(value == want for value in got)
-    shown = str(got[0] if got else None)
-    return passed, f"{key}={shown[:60]}" + ("" if passed else f" (ref: {str(want)[:60]})")
+    if passed:
+        return True, f"{key}={str(got[0])[:60]}"
+    if not got:
+        return False, f"{key} missing (rank 0)"
+    index, value = next((index, value) for index, value in enumerate(got) if value != want)
+    where = f" on rank {index}" if index else ""
+    if isinstance(value, (list, tuple)) and isinstance(want, (list, tuple)):
+        return False, f"{key}{where} differs at {first_difference(value, want)}"
+    return False, f"{key}{where} = {str(value)[:60]} (ref: {str(want)[:60]})"
 
 
 def _resumed(ranks: List[Dict[str, Any]], key: str, tolerance: float) -> Verdict:
+    """``key`` against the uninterrupted run's (``"abrupt:history"`` against ``"uninterrupted:history"``),
+    or ``"a@b"``: the key ``a`` against the same run's key ``b``."""
+    key, at, other = key.partition("@")
     for rank in ranks:
         if isinstance(rank.get(key), str):
             return False, f"{key}: {rank[key]}"
-    worst = max(_difference(rank.get(key), rank.get("uninterrupted")) for rank in ranks)
-    return worst <= tolerance, f"{key}: max |resumed - uninterrupted| = {worst:.2g}"
+    _, colon, part = key.partition(":")
+    baseline = other if at else "uninterrupted" + colon + part
+    worst = max(_difference(rank.get(key), rank.get(baseline)) for rank in ranks)
+    spread = max(_difference(rank.get(key), ranks[0].get(key)) for rank in ranks)
+    shown = f"{key}: max |{key} - {other}|" if at else f"{key}: max |resumed - uninterrupted|"
+    return worst <= tolerance and spread == 0.0, f"{shown} = {worst:.2g}" + (f", ranks differ by {spread:.2g}" if spread else "")
 
 
 def _own_checks(ranks: List[Dict[str, Any]]) -> List[Verdict]:
@@ -109,6 +168,9 @@ def judge(
     if feature.resumed:
         shown = "bitwise" if not resume_tolerance else f"{resume_tolerance:g}"
     size = len(ranks)
+    harness = next((str(rank["harness"]) for rank in ranks if rank.get("harness")), None)
+    if harness is not None:
+        return Row(cell, size, "ERROR", f"the run never started (harness error): {harness}", shown)
     if declared is not None:
         refusals = [rank.get("refused") for rank in ranks]
         errors = [str(rank["error"]) for rank in ranks if _error(rank)]

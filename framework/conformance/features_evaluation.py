@@ -107,3 +107,18 @@ def swa(context: Context, model: str) -> Dict[str, Any]:
     trainer = make_trainer(context, model, make_args(context, "swa", epochs=3), [average])
     trainer.train()
     return {"state": full_state(trainer), "averaged": _averaged(trainer, average)}
+
+
+@register_feature("evaluate_buffers", compare=(), resumed=("last@memory",), models=("batchnorm",), ranks=(2,))
+def evaluate_buffers(context: Context, model: str) -> Dict[str, Any]:
+    """Batch norm on 2 ranks (each rank's own running statistics after training): validating from
+    memory gives the metrics validating from the "last" checkpoint (rank zero's statistics) gives."""
+    checkpoints = saving(context, "buffers", save_every_n_steps=None, save_at_end=True)
+    trainer = make_trainer(context, model, make_args(context, "buffers", epochs=1, checkpointer_args=checkpoints))
+    trainer.train()
+
+    def evaluated(checkpoint: Optional[str]) -> List[float]:
+        validated = trainer.validate(checkpoint)
+        return [validated[name] for name in sorted(validated)]
+
+    return {"memory": evaluated(None), "last": evaluated("last")}

@@ -4,7 +4,7 @@
 import contextlib
 import os
 import shutil
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from framework.conformance.checks import (
     AbruptStop,
@@ -19,64 +19,110 @@ from framework.conformance.checks import (
 )
 from framework.conformance.models import full_state
 from framework.conformance.registry import register_feature
+from framework.conformance.trajectory import Trajectory, observed_path
 from framework.run.preemption import TrainingPreempted
 
 
-def _uninterrupted(context: Context, model: str) -> List[float]:
-    trainer = make_trainer(context, model, make_args(context, "uninterrupted"))
+def _uninterrupted(context: Context, model: str) -> Dict[str, Any]:
+    """The state and the recorded history of a run of the same backend that never stopped."""
+    trajectory = Trajectory()
+    trainer = make_trainer(context, model, make_args(context, "uninterrupted"), [trajectory])
     trainer.train()
-    return full_state(trainer)
+    return {"uninterrupted": full_state(trainer), "uninterrupted:history": observed_path(trainer, trajectory)["history"]}
 
 
-def _stopped(context: Context, model: str, name: str, how: str, step: int = 5) -> str:
-    """Train until ``how`` stops the run at ``step``; return the checkpoint directory."""
+def _stopped(
+    context: Context, model: str, name: str, how: str, step: int = 5, skew: int = 0, **overrides: Any
+) -> Tuple[str, List[List[str]]]:
+    """Train until ``how`` stops the run at ``step`` (``skew``: a step later on each next rank);
+    return the checkpoint directory and what it held after each save."""
     checkpoints = saving(context, name)
+    trajectory = Trajectory(checkpoints.save_dir)
+    args = make_args(context, name, checkpointer_args=checkpoints, **overrides)
     with contextlib.suppress(TrainingPreempted, AbruptStop):
-        make_trainer(context, model, make_args(context, name, checkpointer_args=checkpoints), [StopAt(step, how)]).train()
+        make_trainer(context, model, args, [StopAt(step, how, skew), trajectory]).train()
     barrier()
-    return checkpoints.save_dir or ""
+    trajectory.list_checkpoints()
+    return checkpoints.save_dir or "", trajectory.listings
 
 
-def _resumed(context: Context, model: str, name: str) -> List[float]:
-    resumed = make_trainer(context, model, make_args(context, name, checkpointer_args=saving(context, name)))
+def _resumed(context: Context, model: str, name: str, **overrides: Any) -> Dict[str, Any]:
+    checkpoints = saving(context, name)
+    trajectory = Trajectory(checkpoints.save_dir)
+    args = make_args(context, name, checkpointer_args=checkpoints, **overrides)
+    resumed = make_trainer(context, model, args, [trajectory])
     resumed.train()
-    return full_state(resumed)
+    return {"state": full_state(resumed), **observed_path(resumed, trajectory)}
 
 
-def _scenario(context: Context, model: str, name: str, how: str, step: int = 5, damage: bool = False) -> Any:
-    """The resumed run's state, or the error that ended it (one scenario must not hide the others)."""
+def _scenario(
+    context: Context, model: str, name: str, how: str, step: int = 5, damage: bool = False, skew: int = 0, **overrides: Any
+) -> Dict[str, Any]:
+    """The resumed run's state and history (``name`` and ``name:history``), the step it started
+    from and what the checkpoint directory held after each save of both runs; or the error that
+    ended it (one scenario must not hide the others)."""
     try:
-        save_dir = _stopped(context, model, name, how, step)
+        save_dir, listings = _stopped(context, model, name, how, step, skew, **overrides)
         if damage and context.rank == 0:
             damage_latest_checkpoint(save_dir)
         barrier()
-        return _resumed(context, model, name)
+        resumed = _resumed(context, model, name, **overrides)
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # DCP raises BaseException
-        return described(error, 200)
-
-
-@register_feature("resume_kill9", compare=(), resumed=("abrupt", "damaged"), quick=True)
-def resume_kill9(context: Context, model: str) -> Dict[str, Any]:
-    """An abrupt stop at step 5 (no final save, as after kill -9; the latest checkpoint: step 4)
-    and the same with that checkpoint truncated (fallback to step 2), each resumed to the end:
-    equal to an uninterrupted run of the same backend."""
+        return {name: described(error, 200)}
     return {
-        "uninterrupted": _uninterrupted(context, model),
-        "abrupt": _scenario(context, model, "abrupt", "abrupt"),
-        "damaged": _scenario(context, model, "damaged", "abrupt", damage=True),
+        name: resumed["state"],
+        f"{name}:history": resumed["history"],
+        f"{name}:started": resumed["started"],
+        f"{name}:saved": [*listings, *resumed["saved"]],
     }
 
 
-@register_feature("resume_signal", compare=(), resumed=("SIGTERM", "SIGUSR1"))
-def resume_signal(context: Context, model: str) -> Dict[str, Any]:
-    """SIGTERM at step 5 and SIGUSR1 at step 3 (preemption: a checkpoint at that step), each
-    resumed to the end: equal to an uninterrupted run of the same backend."""
+def _resume_features(*scenarios: str) -> Dict[str, Any]:
+    """The ``register_feature`` arguments of a resume feature over ``scenarios``: each one's state
+    and history compared with the uninterrupted run's (bitwise), the step it started from and the
+    checkpoint directory's listings equal to the reference's."""
     return {
-        "uninterrupted": _uninterrupted(context, model),
-        "SIGTERM": _scenario(context, model, "sigterm", "SIGTERM", 5),
-        "SIGUSR1": _scenario(context, model, "sigusr1", "SIGUSR1", 3),
+        "compare": (),
+        "resumed": tuple(f"{scenario}{part}" for scenario in scenarios for part in ("", ":history")),
+        "exact": tuple(f"{scenario}{part}" for scenario in scenarios for part in (":started", ":saved")),
+    }
+
+
+@register_feature("resume_kill9", quick=True, **_resume_features("abrupt", "damaged"))
+def resume_kill9(context: Context, model: str) -> Dict[str, Any]:
+    """An abrupt stop at step 5 (no final save, as after kill -9; the latest checkpoint: step 4)
+    and the same with that checkpoint truncated (fallback to step 2), each resumed to the end:
+    equal to an uninterrupted run of the same backend, step by step; resumed from the reference's
+    step, with the reference's checkpoints on disk after each save."""
+    return {
+        **_uninterrupted(context, model),
+        **_scenario(context, model, "abrupt", "abrupt"),
+        **_scenario(context, model, "damaged", "abrupt", damage=True),
+    }
+
+
+_SIGNALS = _resume_features("SIGTERM", "SIGUSR1")
+
+
+@register_feature(
+    "resume_signal",
+    compare=(),
+    resumed=(*_SIGNALS["resumed"], "skewed"),
+    exact=_SIGNALS["exact"],
+)
+def resume_signal(context: Context, model: str) -> Dict[str, Any]:
+    """SIGTERM at step 5 and SIGUSR1 at step 3 (preemption: a checkpoint at that step), and SIGTERM
+    a step apart on each rank (step 3 on rank 0, 4 on rank 1, no log point in between, where stop
+    requests ride on the loss all-reduce: the ranks must agree on one stop step), each resumed to
+    the end: equal to an uninterrupted run of the same backend, step by step; resumed from the
+    reference's step, with the reference's checkpoints on disk."""
+    return {
+        **_uninterrupted(context, model),
+        **_scenario(context, model, "SIGTERM", "SIGTERM", 5),
+        **_scenario(context, model, "SIGUSR1", "SIGUSR1", 3),
+        **_scenario(context, model, "skewed", "SIGTERM", 3, skew=1, log_every_n_steps=50),
     }
 
 
@@ -88,10 +134,10 @@ def world_size_change(context: Context, model: str) -> Dict[str, Any]:
     if context.world_size == 1:
         shutil.rmtree(run_dir(handover, "stopped"), ignore_errors=True)
         _stopped(handover, model, "stopped", "abrupt")
-        return {"state": _uninterrupted(context, model)}
+        return {"state": _uninterrupted(context, model)["uninterrupted"]}
     if not os.path.isdir(run_dir(handover, "stopped")):
         return {"error": "needs the 1-rank run first (it writes the checkpoint the 2-rank run resumes): --ranks 1,2"}
-    return {"state": _resumed(handover, model, "stopped")}
+    return {"state": _resumed(handover, model, "stopped")["state"]}
 
 
 def damage_latest_checkpoint(save_dir: str) -> Optional[str]:

@@ -10,6 +10,7 @@ from framework.callbacks import EarlyStopping
 from framework.conformance.checks import Context, find_unused, make_args, make_trainer
 from framework.conformance.models import full_state
 from framework.conformance.registry import MODELS, register_feature
+from framework.conformance.trajectory import Trajectory, observed_path
 from framework.metrics.loss_tracker import TrainingDiverged
 
 
@@ -18,11 +19,13 @@ def _trained(
 ) -> Dict[str, Any]:
     if MODELS[model].unused_parameters:  # ddp must be told (as a user must): the others find them alone
         overrides = {**find_unused(context), **overrides}
-    trainer = make_trainer(context, model, make_args(context, name, **overrides), **(options or {}))
+    trajectory = Trajectory()
+    trainer = make_trainer(context, model, make_args(context, name, **overrides), [trajectory], **(options or {}))
     trainer.train()
     module: Any = trainer.module
     units = len(module_units(module))
     return {
+        **observed_path(trainer, trajectory),
         "state": full_state(trainer),
         "dtype": (module.compute_dtypes or ["-"])[0],
         "setup": list(module.setup_saw) == [context.rank, context.world_size],
@@ -36,20 +39,24 @@ def _trained(
     }
 
 
-@register_feature("automatic", compare=("state", "logged"), exact=("dtype", "setup"), quick=True)
+PATH = ("history",)
+"""The trajectory's numbers every training cell compares with the reference (see ``trajectory``)."""
+
+
+@register_feature("automatic", compare=("state", "logged", *PATH), exact=("dtype", "setup", "series"), quick=True)
 def automatic(context: Context, model: str) -> Dict[str, Any]:
     """Automatic optimization: global batch 16, one micro-batch per rank; the module's setup()
     sees its rank, train_step computes in the reference's dtype, every block is a unit."""
     return _trained(context, model, "automatic")
 
 
-@register_feature("accumulation", exact=("dtype",), quick=True)
+@register_feature("accumulation", compare=("state", *PATH), exact=("dtype", "series"), quick=True)
 def accumulation(context: Context, model: str) -> Dict[str, Any]:
     """Gradient accumulation derived from gpu_batch_size_limit=4 (4 micro-batches on 1 rank, 2 per rank on 2)."""
     return _trained(context, model, "accumulation", gpu_batch_size_limit=4)
 
 
-@register_feature("clipping", quick=True)
+@register_feature("clipping", compare=("state", *PATH), exact=("series",), quick=True)
 def clipping(context: Context, model: str) -> Dict[str, Any]:
     """Accumulation, two optimizers and gradient clipping (max_grad_norm=0.3): every optimizer's
     gradients unscaled and averaged first."""
@@ -57,7 +64,7 @@ def clipping(context: Context, model: str) -> Dict[str, Any]:
     return _trained(context, model, "clipping", options, gpu_batch_size_limit=4, clip_grads=True, max_grad_norm=0.3)
 
 
-@register_feature("manual", quick=True)
+@register_feature("manual", compare=("state", *PATH), exact=("series",), quick=True)
 def manual(context: Context, model: str) -> Dict[str, Any]:
     """Manual optimization: two optimizers stepped by train_step (manual_backward, clip_gradients)."""
     return _trained(context, model, "manual", {"manual": True}, **find_unused(context))

@@ -57,15 +57,16 @@ def known_seam(feature: str, model: str, backend: str, ranks: int) -> Optional[s
 
 def runs_at(feature: str, model: str, world_size: int) -> bool:
     """Whether the cell (feature, model) runs at ``world_size``: the feature runs there, and the
-    model either computes as ``sp`` there or the feature compares the backend only with itself
-    (a resume against the same backend's uninterrupted run: batch norm resumes at 2 ranks too).
+    model either computes as ``sp`` there or the feature compares the backend's numbers only with
+    itself (a resume against the same backend's uninterrupted run, with the reference's resume step
+    and checkpoint names: batch norm resumes at 2 ranks too).
 
     Example:
         >>> runs_at("resume_kill9", "batchnorm", 2), runs_at("automatic", "batchnorm", 2)
         (True, False)
     """
     spec = FEATURES[feature]
-    self_compared = not spec.compare and not spec.exact and bool(spec.resumed)
+    self_compared = not spec.compare and bool(spec.resumed)  # exact keys of a resume (its step, its files) hold anywhere
     return world_size in spec.ranks and (world_size in MODELS[model].ranks or self_compared)
 
 

@@ -25,6 +25,23 @@ def make_data(samples: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y, torch.arange(samples))
 
 
+ID_CLASSES = 5
+LARGE_ID = 2**24 + 257
+"""The first sample id with ``probes``: past 256 (a uint8 or bf16 rounding: 257 -> 256) and past
+2^24 (the largest integer fp32 holds exactly), so an integer input cast on the way changes ``id % 5``."""
+
+
+def with_large_ids(data: TensorDataset) -> TensorDataset:
+    """``data`` with a fourth column: int64 ids from :data:`LARGE_ID` on.
+
+    Example:
+        >>> with_large_ids(make_data(3, seed=0))[1][3].item() - LARGE_ID
+        1
+    """
+    ids = torch.arange(len(data), dtype=torch.int64) + LARGE_ID
+    return TensorDataset(*data.tensors, ids)
+
+
 class AugmentedData(Dataset):
     """Adds noise drawn the usual way (torch's global generator) in ``__getitem__``."""
 
@@ -58,6 +75,7 @@ class KitNet(ModuleInterface):
     Args:
         samples: training samples.
         nan_at_step: from this optimizer step on, the loss is NaN.
+        inf_at_step: at this optimizer step only, the loss is inf (an overflow).
         loader: ``"sampler"`` (the framework's), ``"workers"`` (augmentation in 2 loader
             workers) or ``"stream"`` (an ``IterableDataset`` read by 2 workers).
         manual: manual optimization with two optimizers (the body clipped, then the head on
@@ -66,6 +84,10 @@ class KitNet(ModuleInterface):
             raises ``torch.OutOfMemoryError``, for ``gpu_batch_size_limit="auto"``).
         optimizers: under automatic optimization, 1 (SGD over everything) or 2 (SGD for the
             body, Adam for the head: a precision must unscale, clip and step each of them).
+        probes: inputs chosen to break cancellations: integer ids past 2^24 (each sample's id
+            picks a learned offset by ``id % 5``: an id rounded on the way changes the loss), a
+            per-step learning-rate schedule, and metrics reduced by ``sum``, ``max`` and ``min``
+            in training and validation (21 validation samples: uneven shares over ranks).
 
     Example:
         >>> net = KitNet(samples=8)
@@ -90,13 +112,21 @@ class KitNet(ModuleInterface):
         manual: bool = False,
         fits: Optional[int] = None,
         optimizers: int = 1,
+        probes: bool = False,
+        inf_at_step: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.build()
         self.head = torch.nn.Linear(WIDTH, 1)
         self.train_data = make_data(samples, seed=1)
         self.val_data = make_data(21, seed=2)  # odd: ranks get uneven shares and batches
+        self.probes = probes
+        if probes:  # built last: the other layers start as without probes
+            self.offsets = torch.nn.Embedding(ID_CLASSES, 1)
+            self.train_data = with_large_ids(self.train_data)
+            self.val_data = with_large_ids(self.val_data)
         self.nan_at_step = nan_at_step
+        self.inf_at_step = inf_at_step
         self.loader = loader
         self.fits = fits
         if optimizers not in (1, 2):
@@ -138,7 +168,11 @@ class KitNet(ModuleInterface):
 
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Any:
         if self.automatic_optimization and self.optimizer_count == 1:
-            return [torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)], []
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+            if self.probes:  # a per-step schedule: a step skipped or counted twice shows in every later rate
+                decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
+                return [optimizer], [{"scheduler": decay, "interval": "step"}]
+            return [optimizer], []
         head = {id(parameter) for parameter in self.head.parameters()}
         body = [parameter for parameter in self.parameters() if id(parameter) not in head]
         return [torch.optim.SGD(body, lr=0.2, momentum=0.9), torch.optim.Adam(self.head.parameters(), lr=0.01)], []
@@ -160,19 +194,35 @@ class KitNet(ModuleInterface):
     def get_predict_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
         return self.get_val_dataloaders(sampler, batch_size)
 
+    def predicted(self, x: torch.Tensor, batch: Any) -> torch.Tensor:
+        """The forward, plus each sample's learned offset chosen by its id (with ``probes``)."""
+        prediction = self(x)
+        if self.probes:
+            prediction = prediction + self.offsets(batch[3].long() % ID_CLASSES).to(prediction.dtype)
+        return prediction
+
+    def log_probes(self, stage: str, errors: torch.Tensor) -> None:
+        """Per-sample ``errors`` logged reduced by sum, max and min (with ``probes``)."""
+        if self.probes:
+            for reduce in ("sum", "max", "min"):
+                self.log(f"{stage}_{reduce}", errors.detach().float(), reduce=reduce, on_step=stage == "train")
+
     def train_step(self, global_step: int, batch: Any, device: torch.device) -> torch.Tensor:
-        x, y, index = batch
+        x, y, index = batch[:3]
         if self.fits is not None and len(x) > self.fits:
             raise torch.OutOfMemoryError(f"a micro-batch of {len(x)} does not fit (at most {self.fits})")
         if not self.automatic_optimization:
             return self._manual_step(x, y)
-        prediction = self(x)
+        prediction = self.predicted(x, batch)
         if len(self.compute_dtypes) < 1:
             self.compute_dtypes.append(str(prediction.dtype).replace("torch.", ""))
         self.seen.extend(index.tolist())
         loss = F.mse_loss(prediction.float(), y)
+        self.log_probes("train", (prediction.float() - y).pow(2).mean(1))
         if self.nan_at_step is not None and global_step >= self.nan_at_step:
             loss = loss * float("nan")
+        if global_step == self.inf_at_step:  # one overflowing step: a GradScaler skips it and halves its scale
+            loss = loss * float("inf")
         return loss
 
     def _manual_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -190,13 +240,14 @@ class KitNet(ModuleInterface):
         return loss.detach()
 
     def val_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
-        x, y, index = batch
-        errors = (self(x).float() - y).pow(2).mean(1)
+        x, y, index = batch[:3]
+        errors = (self.predicted(x, batch).float() - y).pow(2).mean(1)
         self.log("val_weighted", errors.mean(), batch_size=len(x))
+        self.log_probes("val", errors)
         return errors.mean(), index
 
     def predict_step(self, global_step: int, batch: Any, device: torch.device) -> Any:
-        x, _, index = batch
+        x, index = batch[0], batch[2]
         return {"index": index, "prediction": self(x).float()}
 
     def on_end_val_epoch(self, global_step: int, *outputs: Any, key: str) -> None:

@@ -45,8 +45,13 @@ class Verdict:
 
     @property
     def killed(self) -> bool:
-        """A cell failed (a known seam's KNOWN does not count)."""
+        """A cell failed on a run that started (a known seam's KNOWN and a harness ERROR do not count)."""
         return any(row.result == "FAIL" for row in self.rows)
+
+    @property
+    def errors(self) -> List[Row]:
+        """Rows whose run never started (the harness's error): no verdict, never a kill."""
+        return [row for row in self.rows if row.result == "ERROR"]
 
     @property
     def killer(self) -> Optional[Row]:
@@ -88,9 +93,13 @@ def run_mutants(
     timeout: float = 1800.0,
     reference_cache: Optional[ReferenceCache] = None,
     controls: bool = True,
+    imports: Sequence[str] = (),
 ) -> Tuple[List[Verdict], List[Verdict]]:
     """Run every mutant (or those ``names``d) on the cells that must kill it, and (``controls``)
-    each one's correct counterpart on the same cells; return (mutants' verdicts, controls' verdicts)."""
+    each one's correct counterpart on the same cells; return (mutants' verdicts, controls' verdicts).
+
+    ``imports``: modules (``--import``) that register mutants from outside the library; the
+    spawned ranks import them too, so an outside mutant is built there as here."""
     chosen = list(names) if names else list(MUTANTS)
     unknown = [name for name in chosen if name not in MUTANTS]
     if unknown:
@@ -118,7 +127,7 @@ def run_mutants(
             jobs.append(((backend, ranks), context, cells))
     for size in sorted({ranks for (_, ranks), _, _ in jobs}):
         sized = [job for job in jobs if job[0][1] == size]
-        results = run_jobs([(context, cells) for _, context, cells in sized], [MUTANTS_MODULE], size, timeout)
+        results = run_jobs([(context, cells) for _, context, cells in sized], [MUTANTS_MODULE, *imports], size, timeout)
         for (key, _, _), result in zip(sized, results):
             observed[key] = result
     verdicts: Dict[str, Verdict] = {}
@@ -130,7 +139,7 @@ def run_mutants(
     return mutants, [verdict for name, verdict in verdicts.items() if name not in MUTANTS]
 
 
-_NUMBER = re.compile(r"max \|[^|]+\| = ([0-9.eE+-]+|inf|nan)")
+_NUMBER = re.compile(r"max \|[^|]+\|(?: / max\(1, \|ref\|\))? = ([0-9.eE+-]+|inf|nan)")
 
 
 def largest_figure(row: Row) -> float:
@@ -169,10 +178,16 @@ def format_mutants(mutants: List[Verdict], controls: List[Verdict]) -> str:
     """The mutation score, a line per mutant (killed by which cell, with its figure), the controls
     that failed (a correct backend must pass) and the tolerance margins."""
     killed = [verdict for verdict in mutants if verdict.killed]
+    errors = [verdict for verdict in mutants if verdict.errors]
     lines = [f"mutation score: {len(killed)} of {len(mutants)} killed ({100 * len(killed) // max(len(mutants), 1)}%)"]
+    if errors:
+        lines[0] += f"; {len(errors)} could not be run (harness errors: no verdict)"
     for verdict in mutants:
         killer = verdict.killer
-        if killer is None:
+        if verdict.errors:
+            error = verdict.errors[0]
+            lines.append(f"ERROR     {verdict.backend} in {error.check} ({error.ranks}): {error.figure[:160]}")
+        elif killer is None:
             lines.append(f"SURVIVED  {verdict.backend}: {verdict.fault}")
         else:
             ranks = f"{killer.ranks} rank{'s' if killer.ranks > 1 else ''}"

@@ -33,9 +33,21 @@ Job = Tuple[Context, List[Cell]]
 
 
 def import_plugin(name: str) -> None:
-    """Import ``name``: a module name on ``sys.path`` or a ``.py`` file (registers its backends)."""
-    if name.endswith(".py") or os.sep in name:
-        path = os.path.abspath(name)
+    """Import ``name``: a module or package name on ``sys.path``, a ``.py`` file, or a package
+    directory (registers its backends).
+
+    Raises:
+        ValueError: ``name`` is a directory without ``__init__.py``, or a file that cannot be imported.
+    """
+    path = os.path.abspath(name)
+    if os.path.isdir(path):  # a package directory: imported by its name from its parent directory
+        if not os.path.isfile(os.path.join(path, "__init__.py")):
+            raise ValueError(f"--import {name}: a directory must be a package (hold __init__.py) to be imported")
+        parent = os.path.dirname(path)
+        if parent not in sys.path:
+            sys.path.insert(0, parent)
+        importlib.import_module(os.path.basename(path))
+    elif name.endswith(".py") or os.sep in name:
         module_name = os.path.splitext(os.path.basename(path))[0]
         spec = importlib.util.spec_from_file_location(module_name, path)
         if spec is None or spec.loader is None:
@@ -45,6 +57,16 @@ def import_plugin(name: str) -> None:
         spec.loader.exec_module(module)
     else:
         importlib.import_module(name)
+
+
+def _import_all(imports: Sequence[str]) -> Optional[str]:
+    """Import every ``--import`` in a spawned rank; what went wrong, or None."""
+    for name in imports:
+        try:
+            import_plugin(name)
+        except Exception as error:  # reported as the harness's error, naming the import
+            return f"--import {name} failed on a spawned rank: {type(error).__name__}: {error}"
+    return None
 
 
 def _observed_path(context: Context, rank: int) -> str:
@@ -87,8 +109,11 @@ def _rank_main(
             time.sleep(0.05)  # gloo's threads release the GIL (see DDP.teardown)
 
     try:
-        for name in imports:
-            import_plugin(name)
+        failed_import = _import_all(imports)
+        if failed_import is not None:  # no cell can start: each is the harness's error, on every rank
+            for context, cells in jobs:
+                torch.save({cell_key(*cell): {"harness": failed_import} for cell in cells}, _observed_path(context, rank))
+            return
         for job_index, (context, cells) in enumerate(jobs):
             if job_index < start[0]:
                 continue

@@ -15,6 +15,7 @@ from framework.conformance.checks import Cell, Context, cell_key, run_cells
 from framework.conformance.compare import Row, judge
 from framework.conformance.matrix import known_seam, quick_cells, runs_at, targeted_cells
 from framework.conformance.ranks import import_plugin, run_ranks
+from framework.conformance.references import SCALED_REFERENCE
 from framework.conformance.registry import FEATURES
 
 FP32_TOLERANCE = 1e-5
@@ -40,31 +41,70 @@ def _is_built_in(module: str) -> bool:
 
 
 def reference_backend(backend: str) -> str:
-    """The built-in single-process backend with ``backend``'s precision (the closest precision
-    class): ``sp`` for fp32, ``sp-amp`` for autocast, ``sp-bf16`` for true bf16."""
-    precision = type(build_backend(backend, _ONE_CPU_PROCESS).precision)
+    """The backend ``backend`` is compared with: the one it declares
+    (``TrainerBackend.conformance_reference``), else :data:`SCALED_REFERENCE` for a precision with
+    a GradScaler, else the built-in single-process backend with its precision (the closest
+    precision class): ``sp`` for fp32, ``sp-amp`` for autocast, ``sp-bf16`` for true bf16.
+
+    Raises:
+        ValueError: the declared reference is not a registered backend.
+    """
+    instance = build_backend(backend, _ONE_CPU_PROCESS)
+    declared = getattr(instance, "conformance_reference", None)
+    if declared is not None:
+        if declared not in available_backends():
+            raise ValueError(
+                f"backend {backend!r} declares conformance_reference={declared!r}, which is not registered; "
+                f"registered: {', '.join(available_backends())}"
+            )
+        return str(declared)
+    if _precision_of(backend)[1]:
+        return SCALED_REFERENCE
+    precision = type(instance.precision)
     candidates: Dict[type, str] = {}
     for name in sorted(built_in_backends(), key=len):
         try:
-            instance = build_backend(name, _ONE_CPU_PROCESS)
+            candidate = build_backend(name, _ONE_CPU_PROCESS)
         except Exception:  # a plugin that cannot be built here is no candidate
             continue
-        if type(instance.strategy) is SingleProcess and type(instance) is TrainerBackend:
-            candidates.setdefault(type(instance.precision), name)
+        if type(candidate.strategy) is SingleProcess and type(candidate) is TrainerBackend:
+            candidates.setdefault(type(candidate.precision), name)
     for cls in precision.__mro__:
         if cls in candidates:
             return candidates[cls]
     return "sp"
 
 
-def compute_dtype(backend: str) -> Optional[torch.dtype]:
-    """What ``backend``'s precision computes in on CPU (None: fp32)."""
+def _precision_of(backend: str) -> Tuple[Optional[torch.dtype], bool]:
+    """What ``backend``'s precision computes in on CPU (None: fp32), and whether it scales the
+    loss (a GradScaler: steps with inf/NaN gradients are skipped)."""
     instance = build_backend(backend, _ONE_CPU_PROCESS)
     instance.setup()
     try:
-        return instance.compute_dtype
+        return instance.compute_dtype, bool(instance.skips_nonfinite_steps)
     finally:
         instance.teardown()
+
+
+def compute_dtype(backend: str) -> Optional[torch.dtype]:
+    """What ``backend``'s precision computes in on CPU (None: fp32)."""
+    return _precision_of(backend)[0]
+
+
+def declared_dtype(backend: str) -> Optional[str]:
+    """The compute dtype ``backend`` declares (``TrainerBackend.conformance_compute_dtype``), or None."""
+    declared = getattr(build_backend(backend, _ONE_CPU_PROCESS), "conformance_compute_dtype", None)
+    return None if declared is None else str(declared).replace("torch.", "")
+
+
+def lower_precision(backend: str) -> Tuple[bool, bool]:
+    """(whether ``backend`` computes in less than fp32 or is compared with a lower-precision
+    reference, whether it declares a compute dtype unlike its reference's: then no world size is
+    bitwise)."""
+    reference = reference_backend(backend)
+    own = declared_dtype(backend)
+    lower = compute_dtype(backend) is not None or reference != "sp" or own not in (None, "float32")
+    return lower, own is not None
 
 
 ReferenceCache = Dict[Tuple[str, str], Dict[str, Any]]
@@ -84,7 +124,7 @@ def reference_observations(name: str, cells: List[Cell], workdir: str, cache: Re
 def conformance(
     backend: str,
     imports: Sequence[str] = (),
-    world_sizes: Sequence[int] = (1, 2),
+    world_sizes: Optional[Sequence[int]] = None,
     cells: Optional[Sequence[Cell]] = None,
     workdir: Optional[str] = None,
     timeout: float = 600.0,
@@ -95,8 +135,14 @@ def conformance(
     against ``backend``; return the table's rows.
 
     ``names`` (deprecated: the old check names) selects features. ``world_sizes``: 1 runs in
-    this process; more spawns the ranks (only for a multi-process backend). A cell that needs
-    the 1-rank run (the world-size change) also runs on 1 rank when only 2 are asked.
+    this process; more spawns the ranks (only for a multi-process backend); None: 1 and 2 for a
+    multi-process backend, 1 for a single-process one. A cell that needs the 1-rank run (the
+    world-size change) also runs on 1 rank when only 2 are asked.
+
+    Raises:
+        ValueError: a world size the backend cannot run (more than 1 for a single-process
+            backend, less than 1), or one at which none of ``cells`` runs: the kit runs what it
+            is asked or refuses, it never reports a smaller run as the one asked for.
     """
     for name in imports:
         import_plugin(name)
@@ -108,10 +154,13 @@ def conformance(
     declared = instance.declared_unsupported_features
     reference_name = reference_backend(backend)
     multi = instance.multi_process
-    lower_precision = compute_dtype(backend) is not None or reference_name != "sp"  # autocast or true bf16
+    lower, own_dtype = lower_precision(backend)
+    world_sizes = checked_world_sizes(backend, multi, cells, world_sizes)
     workdir = workdir or tempfile.mkdtemp(prefix="conformance-")
     cache: ReferenceCache = reference_cache if reference_cache is not None else {}
     reference = reference_observations(reference_name, [cell for cell in cells if cell[0] not in declared], workdir, cache)
+    if own_dtype:  # a precision unlike its reference's: its steps compute in the dtype it declares
+        reference = with_dtype(reference, declared_dtype(backend) or "")
     rows: List[Row] = []
     needs_one = any(cell[0] == "world_size_change" or not runs_at(*cell, max(world_sizes)) for cell in cells)
     for world_size in sorted(set(world_sizes) | ({1} if multi and needs_one else set())):
@@ -125,16 +174,53 @@ def conformance(
             ranks = [reference] if backend == reference_name else [run_cells(context, sized)]
         else:
             ranks = run_ranks(context, sized, list(imports), world_size, timeout)
-        rows += judge_cells(backend, sized, ranks, reference, world_size, lower_precision)
+        rows += judge_cells(backend, sized, ranks, reference, world_size, lower, own_dtype)
     return rows
+
+
+def checked_world_sizes(backend: str, multi: bool, cells: Sequence[Cell], world_sizes: Optional[Sequence[int]]) -> List[int]:
+    """The world sizes to run: ``world_sizes`` when the backend can run each and some cell runs
+    at each; None: (1, 2) for a multi-process backend, (1,) otherwise.
+
+    Example:
+        >>> checked_world_sizes("sp", False, [("automatic", "mlp")], None)
+        [1]
+        >>> checked_world_sizes("ddp", True, [("automatic", "mlp")], [4])
+        Traceback (most recent call last):
+        ...
+        ValueError: --ranks 4: none of the 1 selected cell(s) runs at 4 ranks (the features run at 1, 2 ranks); allowed here: 1, 2
+    """
+    if world_sizes is None:
+        return [1, 2] if multi else [1]
+    sizes = sorted(set(world_sizes))
+    bad = [size for size in sizes if isinstance(size, bool) or not isinstance(size, int) or size < 1]
+    if bad or not sizes:
+        raise ValueError(f"--ranks {','.join(map(str, world_sizes))}: world sizes must be integers >= 1")
+    if not multi and sizes != [1]:
+        raise ValueError(f"--ranks {','.join(map(str, sizes))}: backend {backend!r} is single-process; allowed: 1")
+    possible = sorted({size for feature, _ in cells for size in FEATURES[feature].ranks})
+    for size in sizes:
+        if not any(runs_at(feature, model, size) for feature, model in cells):
+            raise ValueError(
+                f"--ranks {size}: none of the {len(cells)} selected cell(s) runs at {size} ranks (the features run at "
+                f"{', '.join(map(str, possible))} ranks); allowed here: "
+                f"{', '.join(str(n) for n in possible if any(runs_at(f, m, n) for f, m in cells))}"
+            )
+    return sizes
+
+
+def with_dtype(reference: Dict[str, Any], dtype: str) -> Dict[str, Any]:
+    """The reference's observations with ``dtype`` as the compute dtype every step must see."""
+    return {key: {**observed, "dtype": dtype} if "dtype" in observed else observed for key, observed in reference.items()}
 
 
 def tolerance_for(backend: str, world_size: int) -> float:
     """How far ``backend``'s cells at ``world_size`` may be from the reference: bitwise on 1 rank
-    (the reference is the same computation), else summation order (fp32) or rounding (bf16/fp16)."""
-    if world_size == 1:
+    (the reference is the same computation), else summation order (fp32) or rounding (bf16/fp16);
+    rounding on every world size when the backend computes in another dtype than its reference."""
+    lower, own_dtype = lower_precision(backend)
+    if world_size == 1 and not own_dtype:
         return 0.0
-    lower = compute_dtype(backend) is not None or reference_backend(backend) != "sp"  # autocast or true bf16
     return LOWER_PRECISION_TOLERANCE if lower else FP32_TOLERANCE
 
 
@@ -144,15 +230,19 @@ def judge_cells(
     ranks: List[Dict[str, Any]],
     reference: Dict[str, Any],
     world_size: int,
-    lower_precision: Optional[bool] = None,
+    lower: Optional[bool] = None,
+    own_dtype: bool = False,
 ) -> List[Row]:
-    """The rows of ``cells`` from every rank's observations (``ranks``) and the reference's."""
+    """The rows of ``cells`` from every rank's observations (``ranks``) and the reference's
+    (``lower``, ``own_dtype``: see :func:`lower_precision`; None: found here)."""
     instance = build_backend(backend)
     declared = instance.declared_unsupported_features
-    if lower_precision is None:
+    if lower is None:
         tolerance = tolerance_for(backend, world_size)
+        if lower_precision(backend)[1]:
+            reference = with_dtype(reference, declared_dtype(backend) or "")
     else:
-        tolerance = 0.0 if world_size == 1 else LOWER_PRECISION_TOLERANCE if lower_precision else FP32_TOLERANCE
+        tolerance = 0.0 if world_size == 1 and not own_dtype else LOWER_PRECISION_TOLERANCE if lower else FP32_TOLERANCE
     rows = []
     for feature, model in cells:
         key = cell_key(feature, model)

@@ -1,19 +1,13 @@
 """Mutants of the precisions: loss scaling, unscaling every optimizer, buffer and complex casts.
 One fault each, killed on one process (the reference is the built-in of the same precision)."""
 
-from typing import Sequence
+from typing import Any, Dict, Sequence
 
 import torch
 
-from backends import MixedPrecision, SingleProcess, TrueBF16, register_backend
+from backends import MixedPrecision, SingleProcess, TrueBF16
 from framework.conformance.mutants.library import backend, register_mutant
-
-
-class ScaledAmp(MixedPrecision):
-    """bf16 autocast with a GradScaler (loss scaling), unscaled before clipping as it must be (not a mutant)."""
-
-    def __init__(self) -> None:
-        super().__init__("bfloat16", use_grad_scaler=True)
+from framework.conformance.references import ScaledAmp
 
 
 class ScaledAmpNoUnscale(ScaledAmp):
@@ -28,6 +22,21 @@ class ScaledAmpUnscalesFirst(ScaledAmp):
 
     def unscale_gradients(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         super().unscale_gradients(list(optimizers)[:1])
+
+
+class ScaledAmpStepAlwaysTaken(ScaledAmp):
+    """Reports every optimizer step as taken, the ones the GradScaler skipped too: per-step schedulers advance on them."""
+
+    def step_optimizers(self, optimizers: Sequence[torch.optim.Optimizer], closure: Any = None) -> bool:
+        super().step_optimizers(optimizers, closure)
+        return True
+
+
+class ScaledAmpScaleNotSaved(ScaledAmp):
+    """Leaves the GradScaler out of the checkpoint: a resumed run starts again from the initial scale."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
 
 
 class AmpCastsBuffers(MixedPrecision):
@@ -53,10 +62,12 @@ def _register(name: str, precision: type, kills: tuple, control: str) -> None:
     register_mutant(name, backend(SingleProcess, precision), fault, kills, "precision", control)
 
 
-register_backend("sp-scaled-amp", backend(SingleProcess, ScaledAmp), override=True)  # the correct counterpart
+# The correct counterpart, sp-scaled-amp, is the kit's reference for scaled precisions (framework.conformance.references).
 
 
 _register("mutant-sp-scaled-amp-no-unscale", ScaledAmpNoUnscale, (("clipping", "mlp", 1),), "sp-scaled-amp")
 _register("mutant-sp-scaled-amp-unscales-first", ScaledAmpUnscalesFirst, (("clipping", "mlp", 1),), "sp-scaled-amp")
+_register("mutant-sp-scaled-amp-step-always-taken", ScaledAmpStepAlwaysTaken, (("overflow", "mlp", 1),), "sp-scaled-amp")
+_register("mutant-sp-scaled-amp-scale-not-saved", ScaledAmpScaleNotSaved, (("overflow", "mlp", 1),), "sp-scaled-amp")
 _register("mutant-sp-amp-casts-buffers", AmpCastsBuffers, (("automatic", "buffers", 1),), "sp-amp")
 _register("mutant-sp-bf16-casts-complex", BF16CastsComplex, (("automatic", "complex", 1),), "sp-bf16")

@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from backends.checkpoint_io import dcp_reader, run_files
+from backends.checkpoint_io import dcp_reader, optimizer_names, run_files
 from backends.checkpoint_io.base import CheckpointIO, CorruptCheckpoint, file_digest
 
 logger = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ def load(
     planner = dcp_reader.TensorOnlyPlanner
     if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
         initialize_optimizer_state(optimizers)
-    available = split_sharded(target())[0] if target is not None else {}
+    available = split_sharded(_in_layout_of(rest, target()))[0] if target is not None else {}
     missing = [key for key in paths if key.startswith("module/") and key not in available]
     if target is not None and missing:
         raise ValueError(
@@ -252,6 +252,16 @@ def load(
     targets.update({key: torch.empty(0) for key in paths if key not in targets})  # not restored
     rest.pop(DIGEST_KEY, None)
     return fill_sharded(rest, targets)
+
+
+def _in_layout_of(rest: Dict[str, Any], state: Dict[str, Any]) -> Dict[str, Any]:
+    """``state`` (this run's) with its optimizer states numbered by position where the checkpoint's
+    (``rest``) were written by position (before they were keyed by name), so its tensors load into them."""
+    saved = rest.get("trainer", {}).get("optimizers", []) if isinstance(rest.get("trainer"), dict) else []
+    trainer = state.get("trainer")
+    if not isinstance(trainer, dict) or "optimizers" not in trainer:
+        return state
+    return {**state, "trainer": {**trainer, "optimizers": optimizer_names.aligned(saved, trainer["optimizers"])}}
 
 
 def verify(path: str, io: CheckpointIO) -> None:

@@ -2,34 +2,12 @@
 split, a module's own ``pipeline_stages``, names kept, and the stages run in turn equal the whole model."""
 
 import copy
-import os
-import sys
 
 import pytest
 import torch
+from staged_llama import StagedLlama
 
 from backends.strategies.pipeline_stages import check_stages, default_stages, keep_stage, top_level_names
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from model_parallel import LlamaArguments, TinyLlama
-
-sys.path.pop(0)
-
-
-class StagedLlama(TinyLlama):
-    """The example's llama whose ``forward`` runs the parts a stage holds (torchtitan's way)."""
-
-    def __init__(self, n_layers: int = 4, blocks: str = "list") -> None:
-        torch.manual_seed(0)
-        super().__init__(LlamaArguments(vocab_size=32, dim=16, n_layers=n_layers, n_heads=2, hidden_dim=32, seq_len=8))
-        if blocks == "dict":
-            self.layers = torch.nn.ModuleDict({str(index): layer for index, layer in enumerate(self.layers)})
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        for layer in self.layers.values() if isinstance(self.layers, torch.nn.ModuleDict) else self.layers:
-            x = layer(x, self.rotary)
-        return self.output(self.norm(x)) if self.output is not None else x
 
 
 @pytest.mark.parametrize(

@@ -97,9 +97,10 @@ def aligned(saved: Sequence[Any], targets: Sequence[Any]) -> List[Any]:
     ]
 
 
-def load_into(optimizer: torch.optim.Optimizer, state: Dict[str, Any], module: torch.nn.Module) -> None:
+def load_into(optimizer: torch.optim.Optimizer, state: Dict[str, Any], module: torch.nn.Module, one_stage: bool = False) -> None:
     """``optimizer.load_state_dict`` of ``state`` by name (each parameter gets its own name's state,
     whatever the order of the module's parameters), or by position for a ``state`` written by position.
+    ``one_stage``: ``module`` is one stage of a pipeline, and ``state`` may name the other stages' parameters too.
 
     Raises:
         ValueError: the groups of ``state`` name other parameters than this optimizer's (naming them).
@@ -114,8 +115,8 @@ def load_into(optimizer: torch.optim.Optimizer, state: Dict[str, Any], module: t
     position = {name: index for index, name in enumerate(name for names in current for name in names)}
     groups = []
     for index, (saved, names) in enumerate(zip(saved_groups, current)):
-        if set(saved["params"]) != set(names):
-            differing = sorted(set(saved["params"]) ^ set(names))
+        differing = sorted(set(names) - set(saved["params"]) if one_stage else set(saved["params"]) ^ set(names))
+        if differing:
             raise ValueError(
                 f"parameter group {index} of the checkpoint's optimizer holds other parameters than this run's: "
                 f"{differing[:5]}{' ...' if len(differing) > 5 else ''} (in one, not the other); resume with the same "

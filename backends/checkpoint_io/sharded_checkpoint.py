@@ -45,7 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from backends.checkpoint_io import dcp_reader, run_files
+from backends.checkpoint_io import dcp_reader, optimizer_names, run_files, stage_merge
 from backends.checkpoint_io.base import CheckpointIO, CheckpointWriteError, CorruptCheckpoint, file_digest
 
 logger = logging.getLogger(__name__)
@@ -187,14 +187,20 @@ def prepare_save(
     on_rank_zero: Callable[[Callable[[], Any], str], Any],
     process_group: Any = None,
     copy: bool = False,
+    stage_group: Any = None,
 ) -> Callable[[], None]:
     """Start a sharded save of ``state`` into the directory ``path`` (call on every rank); return
     the write, to run now or on a background thread (``copy``: tensors copied to CPU first, and
-    DCP's collectives run over ``process_group``)."""
+    DCP's collectives run over ``process_group``). ``stage_group``: a pipeline's group (its stages
+    hold other tensors): rank zero's ``state.pt`` names every stage's (:mod:`~backends.checkpoint_io.stage_merge`)."""
     fs, final = fsspec.core.url_to_fs(path)
     final = final.rstrip("/")
     partial = posixpath.join(posixpath.dirname(final), f".{posixpath.basename(final)}.partial")
     tensors, rest = split_sharded(state)
+    if stage_group is not None:
+        stages: List[Any] = [None] * torch.distributed.get_world_size(stage_group)
+        torch.distributed.all_gather_object(stages, rest, group=stage_group)
+        rest = stage_merge.merged(stages)
     on_rank_zero(lambda: _fresh_directory(fs, partial), "prepare a sharded checkpoint directory")
     if copy:
         tensors = {key: _cpu_copy(tensor) for key, tensor in tensors.items()}
@@ -232,8 +238,12 @@ def load(
     target: Optional[Callable[[], Dict[str, Any]]] = None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     distributed: bool = False,
+    one_stage: bool = False,
 ) -> Dict[str, Any]:
     """Read the sharded checkpoint directory ``path``.
+
+    ``one_stage``: this rank holds one stage of a pipeline: the checkpoint's other tensors are
+    neither loaded nor returned (the state comes back with this stage's entries alone).
 
     With ``target`` (call on every rank): its tensors (this run's state, in its own sharding,
     whatever world size wrote the checkpoint) are loaded in place; ``optimizers`` without state
@@ -255,9 +265,9 @@ def load(
     planner = dcp_reader.TensorOnlyPlanner
     if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
         initialize_optimizer_state(optimizers)
-    available = split_sharded(target())[0] if target is not None else {}
+    available = split_sharded(_in_layout_of(rest, target()))[0] if target is not None else {}
     missing = [key for key in paths if key.startswith("module/") and key not in available]
-    if target is not None and missing:
+    if target is not None and missing and not one_stage:
         raise ValueError(
             f"the checkpoint holds tensors this run's module does not have: {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}; load it into the same model"
@@ -282,9 +292,21 @@ def load(
         raise CorruptCheckpoint(
             f"torch.distributed.checkpoint could not read it: {type(error).__name__}: {first_line}"
         ) from error
-    targets.update({key: torch.empty(0) for key in paths if key not in targets})  # not restored
     rest.pop(DIGEST_KEY, None)
+    if one_stage:  # the other stages' tensors are theirs
+        return fill_sharded(stage_merge.pruned(rest, set(targets)), targets)
+    targets.update({key: torch.empty(0) for key in paths if key not in targets})  # not restored
     return fill_sharded(rest, targets)
+
+
+def _in_layout_of(rest: Dict[str, Any], state: Dict[str, Any]) -> Dict[str, Any]:
+    """``state`` (this run's) with its optimizer states numbered by position where the checkpoint's
+    (``rest``) were written by position (before they were keyed by name), so its tensors load into them."""
+    saved = rest.get("trainer", {}).get("optimizers", []) if isinstance(rest.get("trainer"), dict) else []
+    trainer = state.get("trainer")
+    if not isinstance(trainer, dict) or "optimizers" not in trainer:
+        return state
+    return {**state, "trainer": {**trainer, "optimizers": optimizer_names.aligned(saved, trainer["optimizers"])}}
 
 
 def verify(path: str, io: CheckpointIO) -> None:

@@ -11,6 +11,11 @@ the rank, then all-reduced once along each sharding dimension (a replicated dime
 same values everywhere and is not summed); the groups' totals make the total norm, and every
 gradient (still in its own placement) is scaled by the same factor. With plain tensors alone it
 is ``clip_grad_norm_``.
+
+Under pipeline parallelism no placement says that the rest of the model lives on other ranks (each
+stage holds its own layers): the caller names the pipeline's process group (``pipeline_group``) and
+the rank's total ``norm ** p`` is summed over it (the maximum for the inf norm), so every stage
+clips by the norm of the whole model.
 """
 
 import math
@@ -72,9 +77,12 @@ def _group_power(gradients: List[torch.Tensor], norm_type: float) -> torch.Tenso
     return value
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pipeline_group: Optional[Any] = None
+) -> torch.Tensor:
     """The norm of every gradient of ``parameters`` together, as a plain tensor, whatever the
-    parameters' meshes (collective for sharded parameters: call it on every rank).
+    parameters' meshes (collective for sharded parameters: call it on every rank); with
+    ``pipeline_group``, of every stage's gradients together (``parameters``: this stage's).
 
     Example:
         >>> weight = torch.nn.Parameter(torch.ones(2)); weight.grad = torch.tensor([3.0, 4.0])
@@ -86,22 +94,30 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
         if parameter.grad is not None:
             gradient = settled(parameter.grad)
             groups.setdefault(_group_key(gradient), []).append(gradient)
-    if not groups:
-        return torch.tensor(0.0)
+    infinite = math.isinf(norm_type)
     powers = [_group_power(gradients, norm_type) for gradients in groups.values()]
-    device = powers[0].device
-    stacked = torch.stack([power.to(device) for power in powers])
-    if math.isinf(norm_type):
-        return stacked.max()
-    return stacked.sum().pow(1.0 / norm_type)
+    if powers:
+        device = powers[0].device
+        stacked = torch.stack([power.to(device) for power in powers])
+        value = stacked.max() if infinite else stacked.sum()
+    else:  # a stage without gradients still joins the pipeline's reduction
+        value = torch.tensor(0.0)
+    if pipeline_group is not None:
+        value = value.float().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM, group=pipeline_group)
+    return value if infinite else value.pow(1.0 / norm_type)
 
 
 def clip_gradients(
-    parameters: Iterable[torch.Tensor], max_norm: Optional[float] = None, max_value: Optional[float] = None
+    parameters: Iterable[torch.Tensor],
+    max_norm: Optional[float] = None,
+    max_value: Optional[float] = None,
+    pipeline_group: Optional[Any] = None,
 ) -> Optional[torch.Tensor]:
     """Clip the gradients of ``parameters`` by value (``max_value``) and/or by total 2-norm
     (``max_norm``; ``float("inf")`` measures without clipping). Returns the total norm before
-    clipping when ``max_norm`` is given, else None.
+    clipping when ``max_norm`` is given, else None. ``pipeline_group``: the norm is the whole
+    pipeline's (``parameters``: this stage's; collective over the group).
 
     Example:
         >>> weight = torch.nn.Parameter(torch.ones(2)); weight.grad = torch.tensor([3.0, 4.0])
@@ -118,9 +134,12 @@ def clip_gradients(
             clip_grad_value_(members, max_value)
     if max_norm is None:
         return None
-    if not any(hasattr(parameter.grad, "device_mesh") for parameter in parameters):  # plain tensors alone: torch's
+    plain = not any(hasattr(parameter.grad, "device_mesh") for parameter in parameters)
+    if plain and pipeline_group is None:  # plain tensors alone: torch's
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    total = total_grad_norm(parameters)
+    total = total_grad_norm(parameters, pipeline_group=pipeline_group)
+    if not parameters:
+        return total
     for members in _by_kind(parameters):
         clip_grads_with_norm_(members, max_norm, total.to(members[0].grad.device))  # type: ignore[union-attr]
     return total

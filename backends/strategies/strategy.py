@@ -157,8 +157,14 @@ class Strategy:
     ) -> Optional[torch.Tensor]:
         """Clip the gradients of ``parameters`` by value and/or total norm (whatever their meshes:
         see :mod:`backends.strategies.gradient_clipping`); the norm before clipping when ``max_norm`` is given.
-        Collective where parameters are sharded: call it on every rank."""
-        return clip_gradients(parameters, max_norm, max_value)
+        Collective where parameters are sharded or pipelined: call it on every rank (under a
+        pipeline, the norm is every stage's together: :meth:`pipeline_group`)."""
+        return clip_gradients(parameters, max_norm, max_value, pipeline_group=self.pipeline_group())
+
+    def pipeline_group(self) -> Optional[Any]:
+        """The process group of this rank's pipeline (its peers that hold the other stages), or None
+        without pipeline parallelism (here)."""
+        return None
 
     def setup(self) -> None:
         """Find the cluster environment (the ``cluster`` option, detected when None), take the

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from backends import TrainerBackend, map_tensors
+from backends.checkpoint_io import optimizer_names
 from framework.callbacks.base import Callback, callback_states, saved_states
 from framework.checkpoint import AbstractCheckpointer, Checkpoint
 from framework.data.rng import capture_rng_state
@@ -181,7 +182,7 @@ class CheckpointManager:
             **self.progress.state_dict(self.backend.data_parallel_size, setup.train_step_batch_size),
             "should_stop": self.stopping.should_stop,
             "ranks": self.backend.all_gather_object(rank_local),
-            "optimizers": [optimizer.state_dict() for optimizer in setup.optimizers],
+            "optimizers": [self._optimizer_state(optimizer) for optimizer in setup.optimizers],
             OPTIMIZER_TYPES_KEY: optimizer_types(setup.optimizers),
             "schedulers": [scheduler.state_dict() for scheduler in setup.schedulers],
             "callbacks": callback_states(self.callbacks),
@@ -189,6 +190,13 @@ class CheckpointManager:
             "history": self.history.state_dict(),
             "loggers": self.recorder.loggers.state_dict(),  # e.g. a tracker's run id, so a resumed run logs into it
         }
+
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """``optimizer``'s state, keyed by parameter name where parameters are sharded (a sharded
+        checkpoint: see :mod:`backends.checkpoint_io.optimizer_names`), else by position."""
+        if self.backend.shards_parameters:
+            return optimizer_names.by_name(optimizer, self.module)
+        return optimizer.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (optimizers must exist: call inside train)."""
@@ -216,7 +224,7 @@ class CheckpointManager:
         self.stopping.should_stop = bool(state["should_stop"])
         configured = ConfiguredHyperparameters(setup.optimizers)
         for optimizer, optimizer_state in zip(setup.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
+            optimizer_names.load_into(optimizer, optimizer_state, self.module)  # by name, or by position (older)
         for scheduler, scheduler_state in zip(setup.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
         for callback, saved in saved_states(self.callbacks, state["callbacks"]):

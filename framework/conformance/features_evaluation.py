@@ -2,6 +2,7 @@
 ``checkpoint=None|"best"|"last"``, ``export_weights``, and the weight averages (EMA, SWA)."""
 
 import os
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from backends.checkpoint_io import run_files
@@ -9,6 +10,7 @@ from framework.callbacks import EMA, SWA
 from framework.conformance.checks import Context, make_args, make_trainer, run_dir, saving
 from framework.conformance.models import flat, full_state
 from framework.conformance.registry import register_feature
+from framework.evaluation.prediction import load_predictions
 
 CONSISTENT = 1e-6
 """How far a metric evaluated from a checkpoint may be from the value recorded when it was saved."""
@@ -21,16 +23,39 @@ def _predicted(trainer: Any, checkpoint: Optional[str] = None) -> Dict[str, Any]
     return {"predict_index": predicted["index"].tolist(), "predictions": predicted["prediction"].reshape(-1).tolist()}
 
 
-@register_feature("evaluate", compare=("val", "test", "predictions"), exact=("val_order", "predict_index"), quick=True)
+def _predicted_to_files(context: Context, trainer: Any) -> Dict[str, Any]:
+    """predict(predictions_dir=...) with every rank but 0 slowed down, then rank 0 reads the files at
+    once: only the backend's barrier stands between rank 0 and the parts the others have not written yet."""
+    module: Any = trainer.module
+    if context.rank != 0:
+        predict_step = module.predict_step
+
+        def slowed(*arguments: Any) -> Any:
+            time.sleep(0.2)
+            return predict_step(*arguments)
+
+        module.predict_step = slowed
+    directory = os.path.join(run_dir(context, "evaluate"), "predictions")
+    trainer.predict(predictions_dir=directory)
+    if context.rank != 0:
+        return {}
+    loaded = load_predictions(directory)
+    return {"predict_files": loaded["prediction"].reshape(-1).tolist()}
+
+
+@register_feature(
+    "evaluate", compare=("val", "test", "predictions", "predict_files"), exact=("val_order", "predict_index"), quick=True
+)
 def evaluate(context: Context, model: str) -> Dict[str, Any]:
     """validate/test/predict (checkpoint=None) after one epoch: outputs in dataset order (21
-    samples, uneven shares), batch-size-weighted metrics."""
+    samples, uneven shares), batch-size-weighted metrics; predict to files with the other ranks
+    slowed down, read back by rank 0 as soon as predict returns (a missing barrier shows)."""
     trainer = make_trainer(context, model, make_args(context, "evaluate", epochs=1))
     trainer.train()
     module: Any = trainer.module
     observed: Dict[str, Any] = {"val": trainer.validate()["val_weighted"], "val_order": list(module.val_order)}
     observed["test"] = trainer.test()["val_weighted"]  # test_step is val_step: it logs the same name
-    return {**observed, **_predicted(trainer)}
+    return {**observed, **_predicted(trainer), **_predicted_to_files(context, trainer)}
 
 
 def _from_checkpoints(trainer: Any, recorded: List[float]) -> Dict[str, Any]:
@@ -109,7 +134,7 @@ def swa(context: Context, model: str) -> Dict[str, Any]:
     return {"state": full_state(trainer), "averaged": _averaged(trainer, average)}
 
 
-@register_feature("evaluate_buffers", compare=(), resumed=("last@memory",), models=("batchnorm",), ranks=(2,))
+@register_feature("evaluate_buffers", compare=(), resumed=("last@memory",), models=("batchnorm",), ranks=(2,), quick=True)
 def evaluate_buffers(context: Context, model: str) -> Dict[str, Any]:
     """Batch norm on 2 ranks (each rank's own running statistics after training): validating from
     memory gives the metrics validating from the "last" checkpoint (rank zero's statistics) gives."""

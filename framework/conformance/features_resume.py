@@ -108,8 +108,9 @@ _SIGNALS = _resume_features("SIGTERM", "SIGUSR1")
 
 @register_feature(
     "resume_signal",
+    quick=True,
     compare=(),
-    resumed=(*_SIGNALS["resumed"], "skewed"),
+    resumed=(*_SIGNALS["resumed"], "skewed", "one_rank"),
     exact=_SIGNALS["exact"],
 )
 def resume_signal(context: Context, model: str) -> Dict[str, Any]:
@@ -117,12 +118,14 @@ def resume_signal(context: Context, model: str) -> Dict[str, Any]:
     a step apart on each rank (step 3 on rank 0, 4 on rank 1, no log point in between, where stop
     requests ride on the loss all-reduce: the ranks must agree on one stop step), each resumed to
     the end: equal to an uninterrupted run of the same backend, step by step; resumed from the
-    reference's step, with the reference's checkpoints on disk."""
+    reference's step, with the reference's checkpoints on disk. And SIGTERM on rank 0 only (a
+    node-level preemption): every rank must adopt rank 0's reason and stop with it."""
     return {
         **_uninterrupted(context, model),
         **_scenario(context, model, "SIGTERM", "SIGTERM", 5),
         **_scenario(context, model, "SIGUSR1", "SIGUSR1", 3),
         **_scenario(context, model, "skewed", "SIGTERM", 3, skew=1, log_every_n_steps=50),
+        **_scenario(context, model, "one_rank", "SIGTERM", 3, skew=1000, log_every_n_steps=50),  # rank 1: never
     }
 
 

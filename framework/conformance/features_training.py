@@ -120,7 +120,7 @@ def loader_workers(context: Context, model: str) -> Dict[str, Any]:
     return {"state": full_state(trainer)}
 
 
-@register_feature("streams", compare=(), exact=("seen",), models=("mlp",))
+@register_feature("streams", compare=(), exact=("seen",), models=("mlp",), quick=True)
 def streams(context: Context, model: str) -> Dict[str, Any]:
     """A stream split by rank and loader worker (2 workers): every sample seen once over the ranks."""
     trainer = make_trainer(context, model, make_args(context, "stream", epochs=1), loader="stream")

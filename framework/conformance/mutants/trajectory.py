@@ -3,7 +3,7 @@ records (the step a resume started from, what the checkpoint directory holds, ea
 One fault each."""
 
 import contextlib
-from typing import Any, Callable, ContextManager, Dict, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -26,12 +26,28 @@ class LocalPreemption(DDP):
         return signal_pending
 
 
+class LocalStopReasons(DDP):
+    """Each rank keeps its own stop reasons when the ranks agree to stop (``any_rank`` without its all-reduce)."""
+
+    def any_rank(self, flags: Sequence[bool]) -> List[bool]:
+        return [bool(flag) for flag in flags]
+
+
+class BarrierDoesNothing(DDP):
+    """``barrier()`` returns at once: rank zero reads files the other ranks have not written yet."""
+
+    def barrier(self) -> None:
+        pass
+
+
 def _register(name: str, strategy: Any, kills: Tuple[Kill, ...], kind: str, precision: Any = FullPrecision) -> None:
     register_mutant(name, backend(strategy, precision), (strategy.__doc__ or "").strip().splitlines()[0], kills, kind)
 
 
 _register("mutant-ddp-never-renamed", NeverRenamed, (("resume_kill9", "mlp", 2),), "state")
 _register("mutant-ddp-local-preemption", LocalPreemption, (("resume_signal", "mlp", 2),), "collectives")
+_register("mutant-ddp-barrier-does-nothing", BarrierDoesNothing, (("evaluate", "mlp", 2),), "collectives")
+_register("mutant-ddp-local-stop-reasons", LocalStopReasons, (("resume_signal", "mlp", 2),), "collectives")
 
 
 class OwnBuffersInEvaluation(DDP):

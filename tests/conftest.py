@@ -6,8 +6,9 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-# Importing it registers faulty backends: only test_conformance.py's tests may (--doctest-modules imports every module).
-collect_ignore = ["conformance_faults.py"]
+# Importing them registers faulty backends: only test_conformance.py's tests may (--doctest-modules imports every
+# module); the blind set is scored by its own script (tests/conformance_blind/score.py), never in the suite.
+collect_ignore = ["conformance_faults.py", "conformance_blind"]
 
 # Tests run on CPU; keep each process to few threads so 2-rank DDP tests share 2 cores well.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

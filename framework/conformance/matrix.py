@@ -133,9 +133,16 @@ def covering(backends: Sequence[str], seed: int = 0, multi: Collection[str] = ()
     pairs (ties broken by a ``random.Random(seed)`` shuffle, so the design is fixed).
 
     For a backend in ``multi`` (multi-process), a (feature, backend) pair is covered only by a
-    model that runs on 2 ranks: every feature of such a backend runs at 2 ranks somewhere."""
-    candidates = [(feature, model, backend) for feature, model in all_cells() if not TARGETED.get(model) for backend in backends]
+    model that runs on 2 ranks: every feature of such a backend runs at 2 ranks somewhere. A
+    single-process backend gets only cells that run on 1 rank."""
     multi = set(multi)
+    candidates = [
+        (feature, model, backend)
+        for feature, model in all_cells()
+        if not TARGETED.get(model)
+        for backend in backends
+        if backend in multi or runs_at(feature, model, 1)
+    ]
 
     def pairs(candidate: Tuple[str, str, str]) -> Set[Tuple[str, str, str]]:
         feature, model, backend = candidate

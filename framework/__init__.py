@@ -8,22 +8,22 @@ import importlib
 from typing import Any
 
 from framework import deprecated_paths
+from framework.config.arguments import TrainerArguments
 from framework.data.data_module import DataModule
 from framework.data.rng import seed_everything
 from framework.data.sample_randomness import sample_generator, sample_seed
+from framework.lifecycle.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from framework.loop.stage import Stage
 from framework.loop.trainer import Trainer
 from framework.metrics.collector import MetricNotLoggedOnEveryRank
 from framework.metrics.loss_tracker import TrainingDiverged
 from framework.module import ModuleInterface
-from framework.run.arguments import TrainerArguments
-from framework.run.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 
 deprecated_paths.install()  # framework.config, framework.rng, ...: the paths earlier docs showed
 
 # Loaded on first use: the config parser (yaml), reading predictions back, plotting (matplotlib).
 _LAZY = {
-    "parse_config": "framework.run.config",
+    "parse_config": "framework.config.cli",
     "load_predictions": "framework.evaluation.prediction",
     "plot_metrics": "framework.metrics.plot",
 }

@@ -8,12 +8,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from backends.strategies.model_parallel import DEFAULT_PARALLELIZE_MARK
+from framework.config import hyperparameters
+from framework.config.hyperparameters import HYPER_PARAMETERS_KEY, AttributeDict
 from framework.data.data_module import DataModule, data_module_loader
 from framework.loop.hooks import TrainingHooks
 from framework.loop.manual_optimization import ManualOptimization, one_or_list
 from framework.loop.stage import Stage
-from framework.run import hyperparameters
-from framework.run.hyperparameters import HYPER_PARAMETERS_KEY, AttributeDict
 
 if TYPE_CHECKING:
     from framework.loop.view import TrainerView

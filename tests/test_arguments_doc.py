@@ -14,7 +14,7 @@ DOC = os.path.join(ROOT, "docs", "arguments.md")
 
 
 def test_the_field_tables_are_what_the_docstrings_say():
-    from framework.run.config_help import generated_arguments_doc
+    from framework.config.help import generated_arguments_doc
 
     with open(DOC, encoding="utf-8") as handle:
         current = handle.read()
@@ -25,7 +25,7 @@ def test_the_field_tables_are_what_the_docstrings_say():
 def test_every_field_has_a_docstring_and_a_mutant_without_one_is_found():
     from framework import TrainerArguments
     from framework.checkpoint import DefaultCheckpointerArguments
-    from framework.run.config_help import markdown_fields, undocumented_fields
+    from framework.config.help import markdown_fields, undocumented_fields
 
     assert undocumented_fields(TrainerArguments) == [] and undocumented_fields(DefaultCheckpointerArguments) == []
 
@@ -39,7 +39,7 @@ def test_every_field_has_a_docstring_and_a_mutant_without_one_is_found():
 
 if __name__ == "__main__":  # rewrite the tables from the code
     sys.path.insert(0, ROOT)
-    from framework.run.config_help import generated_arguments_doc
+    from framework.config.help import generated_arguments_doc
 
     with open(DOC, encoding="utf-8") as handle:
         text = handle.read()

@@ -24,7 +24,7 @@ from backends import (
     registry,
 )
 from framework import Trainer, TrainerArguments
-from framework.run.config import ConfigError, parse_config
+from framework.config.cli import ConfigError, parse_config
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """Bounded inputs and messages: YAML alias bombs and deep nesting refused within time and memory
-(framework/run/bounded_yaml.py), every value in a message bounded (framework/run/bounded_repr.py)."""
+(framework/config/bounded_yaml.py), every value in a message bounded (framework/config/bounded_repr.py)."""
 
 import json
 import subprocess
@@ -9,9 +9,9 @@ import textwrap
 import pytest
 
 from framework import parse_config
-from framework.run.bounded_repr import bounded_repr
-from framework.run.bounded_yaml import YamlRefused, load_yaml
-from framework.run.config import ConfigError
+from framework.config.bounded_repr import bounded_repr
+from framework.config.bounded_yaml import YamlRefused, load_yaml
+from framework.config.cli import ConfigError
 
 
 def alias_bomb(levels: int = 9) -> str:

@@ -14,9 +14,9 @@ from toy import ToyModule
 from framework import Trainer, TrainerArguments
 from framework.callbacks import Callback
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.run import checks
-from framework.run.checks import CheckpointMismatch
-from framework.run.config import parse_config
+from framework.config.cli import parse_config
+from framework.loop import module_checks as checks
+from framework.loop.module_checks import CheckpointMismatch
 
 
 def arguments(tmp_path, **values):

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from backends import available_backends
-from framework.run.config import ConfigError, parse_config
+from framework.config.cli import ConfigError, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ", ".join(available_backends())  # the built-in ones: the example registers no plugin
@@ -74,7 +74,7 @@ def test_the_example_reports_config_errors_like_argparse(argv, message, example_
 
 
 def test_parse_config_on_sys_argv_exits_and_with_explicit_argv_raises(tmp_path):
-    script = "from framework.run.config import parse_config\nparse_config(program='train.py')\nprint('parsed')\n"
+    script = "from framework.config.cli import parse_config\nparse_config(program='train.py')\nprint('parsed')\n"
     (tmp_path / "train.py").write_text(script)
     bad = run(["train.py", "--trainer.max_steps", "many"], cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -1,4 +1,4 @@
-"""framework.run.config: YAML + dotted overrides, type checks, suggestions, --help, user sections,
+"""framework.config.cli: YAML + dotted overrides, type checks, suggestions, --help, user sections,
 and the config.yaml the trainer writes."""
 
 import dataclasses
@@ -13,7 +13,7 @@ import yaml
 from toy import ToyModule
 
 from framework import Trainer, TrainerArguments
-from framework.run.config import ConfigError, RunConfig, convert, format_help, parse_config, resolved_config
+from framework.config.cli import ConfigError, RunConfig, convert, format_help, parse_config, resolved_config
 
 
 @dataclass
@@ -339,7 +339,7 @@ def test_usage_names_the_running_script(tmp_path):
     import sys
 
     script = tmp_path / "train_digits.py"
-    script.write_text("from framework.run.config import parse_config\nparse_config()\n")
+    script.write_text("from framework.config.cli import parse_config\nparse_config()\n")
     result = subprocess.run([sys.executable, str(script), "--trainer.epochz", "2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("usage: train_digits.py [--config FILE.yaml]"), result.stderr

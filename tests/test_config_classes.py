@@ -1,4 +1,4 @@
-"""LightningCLI-style sections (framework/run/class_path.py through framework/run/config.py): what a
+"""LightningCLI-style sections (framework/config/class_path.py through framework/config/cli.py): what a
 class_path may name, init_args checked against the signature and its types, the lr_scheduler, data
 and trainer.callbacks sections honoured in a real run, unknown sections refused, Lightning's names."""
 
@@ -9,8 +9,8 @@ from toy import ToyModule
 
 from framework import Trainer
 from framework.callbacks import Callback
-from framework.run.class_path import ALLOW_ANY_CALLABLE
-from framework.run.config import ConfigError, parse_config
+from framework.config.class_path import ALLOW_ANY_CALLABLE
+from framework.config.cli import ConfigError, parse_config
 
 
 class ConfiguredToy(ToyModule):

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from framework.run.config import parse_config
+from framework.config.cli import parse_config
 
 
 def test_help_names_print_config_and_print_config_does_what_help_says(capsys, tmp_path):

@@ -49,7 +49,7 @@ def test_one_version_and_the_license_setup_cfg_names():
 
 def test_the_numbers_the_docs_quote_are_the_ones_the_example_logs(monkeypatch):
     from framework.checkpoint.plan import describe_checkpointing
-    from framework.run.config import parse_config
+    from framework.config.cli import parse_config
 
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
     from digits import DigitsArguments

@@ -22,7 +22,7 @@ from backends.environments import (
 from backends.environments.detection import BUILT_IN_ENVIRONMENTS
 from backends.environments.hostlist import expand_hostlist, first_host
 from framework import TrainerArguments
-from framework.run.config import parse_config
+from framework.config.cli import parse_config
 
 # What the real Slurm 22.05 sets (recorded on the test cluster): task 1 of `srun -n 2`,
 # and the batch script of `sbatch -n 2` (no SLURM_STEP_ID there).

@@ -6,8 +6,8 @@ import torch
 from toy import ToyModule
 
 from framework import Trainer, TrainerArguments
-from framework.run.arguments import micro_batch_plan
-from framework.run.config import ConfigError, parse_config
+from framework.config.arguments import micro_batch_plan
+from framework.config.cli import ConfigError, parse_config
 
 
 class WrongReturn(ToyModule):

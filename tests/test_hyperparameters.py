@@ -13,7 +13,7 @@ from toy import ToyModule, toy_args
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
 from framework.checkpoint.weights import load_weights
-from framework.run.config import parse_config
+from framework.config.cli import parse_config
 
 
 class Classifier(ToyModule):
@@ -126,8 +126,8 @@ def test_hparams_that_config_yaml_cannot_hold_are_refused_when_saved_and_the_res
     refuses it) with nothing said at write time. Now the largest that fit write and read back whole (a real run),
     and one more word or level is refused by save_hyperparameters naming the field (mutant: check_writable not
     called -> the module is made and the run writes a config.yaml its reader refuses)."""
-    from framework.run.bounded_yaml import load_yaml
-    from framework.run.hyperparameters import UnwritableHyperParameter
+    from framework.config.bounded_yaml import load_yaml
+    from framework.config.hyperparameters import UnwritableHyperParameter
     from framework.run.run_identity import recorded_run_id
 
     words = [f"w{index}" for index in range(98_000)]
@@ -149,7 +149,7 @@ def test_hparams_that_config_yaml_cannot_hold_are_refused_when_saved_and_the_res
 
 def test_a_hyper_parameter_that_holds_itself_is_refused_naming_it(tmp_path):
     """A self-referencing list was a RecursionError naming nothing (mutant: the recursive walk back -> RecursionError)."""
-    from framework.run.hyperparameters import UnwritableHyperParameter
+    from framework.config.hyperparameters import UnwritableHyperParameter
 
     loop: list = [1, 2]
     loop.append(loop)

@@ -1,4 +1,4 @@
-"""Orphaned workers (framework/run/launcher_watch.py) and the run lock under torchrun (2 gloo ranks).
+"""Orphaned workers (framework/lifecycle/launcher_watch.py) and the run lock under torchrun (2 gloo ranks).
 
 One real torchrun job trains ``tests/resume_script.py``; the same command started again
 meanwhile (a double submit) is refused on both ranks, naming the holder. Then the first

@@ -17,6 +17,7 @@ from toy import ToyModule, toy_args
 from framework import Trainer
 from framework.callbacks import Callback
 from framework.checkpoint import DefaultCheckpointerArguments
+from framework.config.cli import parse_config
 from framework.loggers import (
     Logger,
     LoggerStartFailed,
@@ -27,7 +28,6 @@ from framework.loggers import (
 )
 from framework.loggers.csv_logger import CSVLogger
 from framework.loggers.tensorboard_logger import TensorBoardLogger
-from framework.run.config import parse_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "resume_script.py")

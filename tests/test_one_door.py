@@ -25,7 +25,7 @@ METHODS = {"open", "read_text", "read_bytes", "write_text", "write_bytes"}  # fs
 
 ALLOWED = {
     # module: (calls it may make, why)
-    "framework/run/bounded_yaml.py": ({"yaml.safe_load", "yaml.load"}, "the bounded YAML parser: text in, data out"),
+    "framework/config/bounded_yaml.py": ({"yaml.safe_load", "yaml.load"}, "the bounded YAML parser: text in, data out"),
     "backends/checkpoint_io/dcp_reader.py": ({"pickle.loads"}, "index bytes read by the door, unpickled only when trusted"),
     "backends/plugins.py": ({".read_text"}, "installed packages' entry_points.txt (importlib.metadata), no run file"),
     "framework/conformance/ranks.py": ({"open", "torch.load", "torch.save"}, "the kit's own results, not a run's files"),

@@ -13,7 +13,7 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.run.checks import CheckpointMismatch
+from framework.loop.module_checks import CheckpointMismatch
 
 
 class Configurable(ToyModule):

@@ -25,7 +25,7 @@ from backends import (
     register_backend,
 )
 from framework import Trainer, TrainerArguments
-from framework.run.config import parse_config
+from framework.config.cli import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILT_INS = ["ddp", "ddp-amp", "ddp-bf16", "fsdp", "fsdp-amp", "fsdp-bf16"]

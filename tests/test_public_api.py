@@ -61,6 +61,13 @@ def describe(qualified: str, obj: Any) -> List[str]:
     return [f"{qualified}: {type(obj).__name__}"]
 
 
+def _old_config_names() -> List[str]:
+    """The names of the old module ``framework.config``, now a package that forwards them to ``cli``."""
+    import framework.config
+
+    return sorted(framework.config._OLD_MODULE_NAMES)
+
+
 def snapshot() -> str:
     lines: List[str] = []
     for module_name in PUBLIC_MODULES:
@@ -69,6 +76,7 @@ def snapshot() -> str:
             lines.extend(describe(f"{module_name}.{name}", getattr(module, name)))
     lines.append("")
     lines.extend(f"moved module {old} -> {new}" for old, new in sorted(MOVED_MODULES.items()))
+    lines.extend(f"moved name framework.config.{name} -> framework.config.cli.{name}" for name in _old_config_names())
     return "\n".join(lines) + "\n"
 
 
@@ -96,14 +104,29 @@ def test_a_moved_module_path_still_imports_and_warns_with_the_new_path(old):
     ]
 
 
+@pytest.mark.parametrize("name", _old_config_names())
+def test_a_name_of_the_old_config_module_still_imports_from_the_package_and_warns(name):
+    """framework.config was the command-line module; a package now, it forwards that module's names."""
+    import framework.config.cli
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = getattr(importlib.import_module("framework.config"), name)
+    assert value is getattr(framework.config.cli, name)
+    assert [str(w.message) for w in caught if w.category is FutureWarning] == [
+        f"framework.config.{name} is deprecated: import framework.config.cli.{name} instead"
+    ]
+
+
 def test_the_old_names_of_the_docs_import():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        from framework.config import parse_config  # noqa: F401
         from framework.plot import plot_metrics  # noqa: F401
         from framework.prediction import load_predictions  # noqa: F401
         from framework.rng import seed_everything  # noqa: F401
         from framework.run_lock import STALE_AFTER_SECONDS, RunLocked  # noqa: F401
+
+        from framework.config import parse_config  # noqa: F401
 
 
 def test_python_dash_m_of_an_old_path_runs_the_new_module(tmp_path):

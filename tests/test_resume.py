@@ -243,9 +243,9 @@ def test_an_unknown_preemption_signal_is_refused_by_name():
 
 
 def test_a_stop_requested_without_a_signal_leaves_the_first_signal_caught():
-    # framework/run/launcher_watch.py asks for the stop when the launcher dies; a SIGTERM sent to
+    # framework/lifecycle/launcher_watch.py asks for the stop when the launcher dies; a SIGTERM sent to
     # the orphan afterwards must still be the caught first signal, not the fatal second one.
-    from framework.run.preemption import PreemptionHandler, parse_signals
+    from framework.lifecycle.preemption import PreemptionHandler, parse_signals
 
     handler = PreemptionHandler(parse_signals("SIGINT"))
     with handler:

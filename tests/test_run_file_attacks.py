@@ -77,7 +77,7 @@ def test_a_run_started_beside_a_json_py_imports_nothing_from_the_working_directo
 
 def test_links_the_user_names_are_followed_on_purpose(tmp_path):
     """Fault: the door's link refusal applied to what the user chose (a linked --config, load_filename)."""
-    from framework.run.config import parse_config
+    from framework.config.cli import parse_config
 
     real = tmp_path / "configs" / "real.yaml"
     real.parent.mkdir()

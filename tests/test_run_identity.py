@@ -16,7 +16,7 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointer, DefaultCheckpointerArguments
-from framework.run.config import parse_config
+from framework.config.cli import parse_config
 from framework.run.run_identity import ForeignCheckpoint, recorded_run_id
 
 

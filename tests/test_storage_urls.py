@@ -7,7 +7,7 @@ from toy import ToyModule, toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
-from framework.run.config import ConfigError, parse_config
+from framework.config.cli import ConfigError, parse_config
 
 
 class CountingToy(ToyModule):

@@ -23,7 +23,7 @@ from tiny_transformer import TinyTransformer
 
 from framework import Trainer, TrainerArguments
 from framework.callbacks import EMA, Callback
-from framework.run.preemption import TrainingPreempted
+from framework.lifecycle.preemption import TrainingPreempted
 
 TWO_RANKS = [pytest.mark.distributed, pytest.mark.slow]
 BACKENDS = [pytest.param("sp"), pytest.param("ddp", marks=TWO_RANKS), pytest.param("fsdp", marks=TWO_RANKS)]

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
-from framework.run.arguments import TrainerArguments
-from framework.run.config import parse_config, resolved_config
-from framework.run.yaml_text import to_yaml
+from framework.config.arguments import TrainerArguments
+from framework.config.cli import parse_config, resolved_config
+from framework.config.yaml_text import to_yaml
 
 # Strings that read back as something else when written plain, or that need escapes.
 TRICKY_STRINGS = [

@@ -115,7 +115,7 @@ class ClusterEnvironment:
     def parent_is_launcher(self) -> bool:
         """True when this process's parent is the launcher supervising it (torchrun's agent):
         a process whose parent is gone is orphaned, and stops with a checkpoint
-        (``framework/run/launcher_watch.py``)."""
+        (``framework/lifecycle/launcher_watch.py``)."""
         return False
 
     # -- rendezvous --------------------------------------------------------------------

@@ -10,7 +10,7 @@ from framework.callbacks.progress import ProgressBar
 from framework.callbacks.throughput import Throughput
 
 if TYPE_CHECKING:  # pragma: no cover
-    from framework.run.arguments import TrainerArguments
+    from framework.config.arguments import TrainerArguments
 
 
 def with_default_callbacks(callbacks: Sequence[Callback], args: "TrainerArguments") -> List[Callback]:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from framework.checkpoint.storage_check import check_protocols
-from framework.run.typed_fields import check_field_types
+from framework.config.typed_fields import check_field_types
 
 
 @dataclass

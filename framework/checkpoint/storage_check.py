@@ -9,7 +9,7 @@ other fsspec URL (``s3://``, ``gs://``, a shared mount) serves every rank.
 
 from typing import Dict, List, Optional
 
-from framework.run.bounded_repr import bounded_repr
+from framework.config.bounded_repr import bounded_repr
 
 PER_PROCESS_PROTOCOLS = ("memory",)
 """fsspec protocols whose files exist only inside the process that wrote them."""

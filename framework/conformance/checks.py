@@ -20,11 +20,11 @@ import torch.distributed as dist
 from backends import build_backend
 from framework.callbacks import Callback
 from framework.checkpoint import DefaultCheckpointerArguments
+from framework.config.arguments import TrainerArguments
 from framework.conformance.matrix import Cell
 from framework.conformance.registry import FEATURES, build_model
 from framework.data.rng import seed_everything
 from framework.loop.trainer import Trainer
-from framework.run.arguments import TrainerArguments
 
 RANK_SEED_STRIDE = 1000
 """Each rank seeds its generators with ``seed + RANK_SEED_STRIDE * rank`` before it builds its

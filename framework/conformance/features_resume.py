@@ -20,7 +20,7 @@ from framework.conformance.checks import (
 from framework.conformance.models import full_state
 from framework.conformance.registry import register_feature
 from framework.conformance.trajectory import Trajectory, observed_path
-from framework.run.preemption import TrainingPreempted
+from framework.lifecycle.preemption import TrainingPreempted
 
 
 def _uninterrupted(context: Context, model: str) -> Dict[str, Any]:

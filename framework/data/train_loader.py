@@ -5,12 +5,12 @@ import math
 from typing import Any, Iterator, List, Optional
 
 from backends import TrainerBackend
+from framework.config.arguments import TrainerArguments
 from framework.data.loader_plan import RecordingSampler, warn_about_stream_shares, warn_if_loader_ignores_plan
 from framework.data.loader_position import LoaderPosition
 from framework.data.sample_randomness import LoaderSeeding
+from framework.loop import module_checks as checks
 from framework.module import ModuleInterface
-from framework.run import checks
-from framework.run.arguments import TrainerArguments
 
 
 class TrainLoader:

@@ -6,13 +6,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from backends import TrainerBackend
+from framework.config.arguments import TrainerArguments
 from framework.loop.hooks import HookDispatcher
+from framework.loop.module_checks import report_no_loaders
 from framework.loop.stage import Stage
 from framework.loop.step_outputs import as_outputs, concatenate_outputs
 from framework.metrics.collector import MetricCollector, infer_batch_size, reduce_metrics
 from framework.module import ModuleInterface, as_loader_dict
-from framework.run.arguments import TrainerArguments
-from framework.run.checks import report_no_loaders
 
 
 class Evaluator:

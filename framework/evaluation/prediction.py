@@ -13,12 +13,12 @@ from torch.utils.data import DataLoader, IterableDataset
 from backends import TrainerBackend, map_tensors
 from backends.data.samplers import ResumableSampler
 from framework.checkpoint import storage
+from framework.config.arguments import TrainerArguments
 from framework.evaluation.weights import on_main_then_everywhere
 from framework.loop.stage import Stage
 from framework.loop.step_outputs import concatenate_outputs
 from framework.metrics.collector import infer_batch_size
 from framework.module import ModuleInterface, StepRunner
-from framework.run.arguments import TrainerArguments
 
 logger = logging.getLogger("framework")
 

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Optional
 from backends import TrainerBackend
 from framework.callbacks.base import Callback
 from framework.checkpoint.abstract import AbstractCheckpointer
+from framework.config.arguments import TrainerArguments
 from framework.evaluation.loops import Evaluator
 from framework.evaluation.prediction import Predictor
 from framework.evaluation.weights import best_checkpoint_url, load_evaluation_weights
@@ -17,7 +18,6 @@ from framework.loop.stage import Stage
 from framework.loop.training_state import TrainingProgress
 from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface, StepRunner
-from framework.run.arguments import TrainerArguments
 
 
 class TrainerEvaluation:

@@ -16,7 +16,7 @@ def run_status(error: BaseException) -> str:
         >>> run_status(KeyboardInterrupt()), run_status(ValueError())
         ('KILLED', 'FAILED')
     """
-    from framework.run.preemption import TrainingPreempted
+    from framework.lifecycle.preemption import TrainingPreempted
 
     return KILLED if isinstance(error, (TrainingPreempted, KeyboardInterrupt)) else FAILED
 

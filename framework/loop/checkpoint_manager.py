@@ -15,7 +15,9 @@ from backends import TrainerBackend, map_tensors
 from backends.checkpoint_io import optimizer_names
 from framework.callbacks.base import Callback, callback_states, saved_states
 from framework.checkpoint import AbstractCheckpointer, Checkpoint
+from framework.config.arguments import TrainerArguments
 from framework.data.rng import capture_rng_state
+from framework.loop import module_checks as checks
 from framework.loop.optimizer_changes import (
     OPTIMIZER_TYPES_KEY,
     ConfiguredHyperparameters,
@@ -29,8 +31,6 @@ from framework.metrics.collector import MetricCollector, MetricHistory
 from framework.metrics.loss_tracker import LossTracker
 from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface
-from framework.run import checks
-from framework.run.arguments import TrainerArguments
 from framework.run.run_claim import RunClaim
 from framework.run.run_identity import OUTPUT_DIR_KEY, RUN_ID_KEY, StartingIdentity
 

@@ -6,13 +6,13 @@ from typing import Any, Callable, List
 import torch
 
 from backends import TrainerBackend
+from framework.config.arguments import TrainerArguments
 from framework.data.rng import capture_rng_state, restore_rng_state
 from framework.loop.stage import Stage
 from framework.loop.step_outputs import as_outputs
 from framework.loop.tbptt import split_along_time
 from framework.metrics.collector import MetricCollector
 from framework.module import ModuleInterface
-from framework.run.arguments import TrainerArguments
 
 logger = logging.getLogger("framework")
 

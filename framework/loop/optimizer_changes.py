@@ -17,7 +17,7 @@ from typing import Any, Collection, Dict, List, Optional, Sequence
 
 import torch
 
-from framework.run.checks import CheckpointMismatch
+from framework.loop.module_checks import CheckpointMismatch
 
 logger = logging.getLogger("framework")
 
@@ -57,7 +57,7 @@ def check_optimizer_classes(
         >>> check_optimizer_classes({"optimizer_types": ["torch.optim.adam.Adam"]}, [sgd], "ckpt.pt")
         Traceback (most recent call last):
         ...
-        framework.run.checks.CheckpointMismatch: checkpoint ckpt.pt holds optimizer 0 of class Adam ... SGD ...
+        framework.loop.module_checks.CheckpointMismatch: checkpoint ckpt.pt holds optimizer 0 of class Adam ... SGD ...
     """
     saved = saved_trainer_state.get(OPTIMIZER_TYPES_KEY)
     if saved is None:

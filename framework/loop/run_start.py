@@ -12,7 +12,10 @@ from backends import TrainerBackend
 from backends.environments import LocalEnvironment
 from framework.callbacks.base import Callback
 from framework.checkpoint.abstract import AbstractCheckpointer
+from framework.config.arguments import TrainerArguments
+from framework.config.cli import resolved_config
 from framework.loggers import LoggerSet, build_loggers
+from framework.loop import module_checks as checks
 from framework.loop.checkpoint_manager import CheckpointManager
 from framework.loop.hooks import HookDispatcher
 from framework.loop.stopping import StopConditions
@@ -20,9 +23,6 @@ from framework.loop.training_setup import TrainingSetup
 from framework.loop.view import TrainerView
 from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface
-from framework.run import checks
-from framework.run.arguments import TrainerArguments
-from framework.run.config import resolved_config
 from framework.run.finished_run import changed_settings, log_nothing_to_do
 from framework.run.run_claim import RunClaim
 from framework.run.run_identity import write_run_record

@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from framework.run.checks import check_optimizers_schedulers
+from framework.loop.module_checks import check_optimizers_schedulers
 
 logger = logging.getLogger("framework")
 

@@ -5,8 +5,8 @@ import time
 from typing import List, Optional
 
 from backends import TrainerBackend
-from framework.run.arguments import TrainerArguments
-from framework.run.preemption import PreemptionHandler
+from framework.config.arguments import TrainerArguments
+from framework.lifecycle.preemption import PreemptionHandler
 
 
 class StopConditions:

@@ -15,13 +15,19 @@ from framework.callbacks.base import Callback, StopTraining
 from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer
 from framework.checkpoint.default import default_checkpointer
+from framework.config.arguments import TrainerArguments, micro_batch_plan
+from framework.config.cli import config_callbacks, own_copy
 from framework.data.data_module import DataModule, attach_data_module
 from framework.data.rng import seed_everything
 from framework.data.train_loader import TrainLoader
 from framework.evaluation.loops import Evaluator
 from framework.evaluation.sanity_check import run_sanity_check, sanity_check_due
 from framework.evaluation.trainer_evaluation import TrainerEvaluation
+from framework.lifecycle.launcher_watch import LauncherWatch
+from framework.lifecycle.logging_setup import configure_logging
+from framework.lifecycle.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.loggers import LoggerSet, build_loggers, run_status
+from framework.loop import module_checks as checks
 from framework.loop.checkpoint_manager import CheckpointManager
 from framework.loop.hooks import HookDispatcher
 from framework.loop.manual_optimization import ManualOptimization
@@ -39,12 +45,6 @@ from framework.metrics.collector import MetricCollector, MetricHistory
 from framework.metrics.loss_tracker import LossTracker
 from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface, StepRunner
-from framework.run import checks
-from framework.run.arguments import TrainerArguments, micro_batch_plan
-from framework.run.config import config_callbacks, own_copy
-from framework.run.launcher_watch import LauncherWatch
-from framework.run.logging_setup import configure_logging
-from framework.run.preemption import PreemptionHandler, TrainingPreempted, parse_signals
 from framework.run.run_claim import RunClaim
 
 logger = logging.getLogger("framework")

@@ -14,6 +14,7 @@ import torch
 
 from backends import TrainerBackend
 from backends.strategies.activation_checkpointing import checkpoint_units
+from framework.config.arguments import TrainerArguments, micro_batch_plan
 from framework.data.train_loader import TrainLoader
 from framework.loop.hooks import HookDispatcher
 from framework.loop.manual_optimization import ManualOptimization
@@ -23,7 +24,6 @@ from framework.loop.training_state import TrainingProgress
 from framework.loop.training_step import TrainingStep
 from framework.metrics.collector import MetricCollector
 from framework.module import ModuleInterface, StepRunner
-from framework.run.arguments import TrainerArguments, micro_batch_plan
 
 logger = logging.getLogger("framework")
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Typ
 import torch
 
 from backends import TrainerBackend
+from framework.config.arguments import TrainerArguments
 from framework.loop.hooks import HookDispatcher
 from framework.loop.schedulers import LRSchedules
 from framework.loop.steps.automatic import AutomaticStep
@@ -26,7 +27,6 @@ from framework.loop.training_state import TrainingProgress
 from framework.metrics.collector import MetricCollector
 from framework.metrics.loss_tracker import LossTracker
 from framework.module import ModuleInterface
-from framework.run.arguments import TrainerArguments
 
 StepMode = Union[AutomaticStep, TBPTTStep, ClosureStep, ManualStep]
 

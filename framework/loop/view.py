@@ -11,8 +11,8 @@ import torch
 
 from backends import TrainerBackend
 from framework.checkpoint.abstract import AbstractCheckpointer
+from framework.config.arguments import TrainerArguments
 from framework.metrics.collector import MetricHistory
-from framework.run.arguments import TrainerArguments
 
 
 class TrainerView(Protocol):

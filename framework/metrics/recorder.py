@@ -8,13 +8,13 @@ from typing import Any, Callable, Dict, List, Mapping, Set, Tuple
 import torch
 
 from backends import TrainerBackend
+from framework.config.arguments import TrainerArguments
+from framework.config.cli import resolved_config
 from framework.loggers import LoggerSet, LoggerStartFailed, RunInfo
 from framework.loop.hooks import HookDispatcher
 from framework.loop.training_state import TrainingProgress
 from framework.metrics.collector import MetricCollector, MetricHistory, reduce_metrics
 from framework.metrics.loss_tracker import LossTracker, TrainingDiverged
-from framework.run.arguments import TrainerArguments
-from framework.run.config import resolved_config
 
 logger = logging.getLogger("framework")
 

@@ -9,7 +9,7 @@ run's ``config.yaml`` (read before this run rewrites it).
 import logging
 from typing import Any, Dict, List, Optional
 
-from framework.run.bounded_repr import bounded_repr
+from framework.config.bounded_repr import bounded_repr
 
 logger = logging.getLogger("framework")
 
@@ -35,7 +35,7 @@ def changed_settings(config_path: str, current: Dict[str, Dict[str, Any]]) -> Li
         text = run_files.read_text(config_path, run_files.CONFIG)
     except (OSError, run_files.UnsafeRunFile):
         return []
-    from framework.run.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
+    from framework.config.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
 
     try:
         saved = load_yaml(text)  # an alias bomb is refused, not walked

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 from backends import TrainerBackend
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.checkpoint.default import DefaultCheckpointer
-from framework.run.arguments import TrainerArguments
+from framework.config.arguments import TrainerArguments
 from framework.run.run_directory import choose_run_directory, claim_run_directory, locked_directories, previous_run_files
 from framework.run.run_lock import RunLockLost, RunLocks, claim_run_lock
 from framework.run.shared_storage import check_shared_storage, run_directories

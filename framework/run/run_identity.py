@@ -101,7 +101,7 @@ def recorded_run_id(output_dir: str) -> Optional[str]:
         return None
     except (OSError, run_files.UnsafeRunFile):
         return UNREADABLE
-    from framework.run.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
+    from framework.config.bounded_yaml import YamlRefused, load_yaml  # only when there is a file
 
     try:
         data = load_yaml(text)  # an alias bomb is refused, not walked

@@ -10,6 +10,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from backends import TrainerBackend, map_tensors
+from framework.config.arguments import TrainerArguments
+from framework.loop import module_checks as checks
 from framework.loop.gradient_accumulators import gradient_accumulators
 from framework.loop.hooks import HookDispatcher
 from framework.loop.schedulers import LRSchedules
@@ -17,8 +19,6 @@ from framework.loop.training_state import TrainingProgress
 from framework.metrics.collector import MetricCollector
 from framework.metrics.loss_tracker import LossTracker
 from framework.module import ModuleInterface
-from framework.run import checks
-from framework.run.arguments import TrainerArguments
 
 
 class StepParts:

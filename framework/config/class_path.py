@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from framework.run.bounded_repr import bounded_repr
-from framework.run.lightning_names import lightning_callback_hint
+from framework.config.bounded_repr import bounded_repr
+from framework.config.lightning_names import lightning_callback_hint
 
 OPTIMIZER_SECTION = "optimizer"
 SCHEDULER_SECTION = "lr_scheduler"
@@ -172,7 +172,7 @@ def check_class_spec(section: str, spec: Mapping[str, Any]) -> List[str]:
         elif is_class_spec(value):
             errors.extend(check_class_spec(f"{section}.init_args.{name}", value))
         elif name in hints:
-            from framework.run.config_convert import convert, type_name
+            from framework.config.conversion import convert, type_name
 
             try:
                 convert(value, hints[name], from_text=False)
@@ -327,7 +327,7 @@ def apply_class_override(specs: Dict[str, Dict[str, Any]], key: str, text: str) 
     if path[-1] == "class_path":
         node[path[-1]] = text
     else:
-        from framework.run.bounded_yaml import YamlRefused, load_yaml
+        from framework.config.bounded_yaml import YamlRefused, load_yaml
 
         try:
             node[path[-1]] = load_yaml(text)

@@ -104,7 +104,7 @@ class PreemptionHandler:
 
     def request(self, reason: str) -> None:
         """Ask for the same stop as a signal, for ``reason`` (e.g. the launcher is gone; see
-        framework/run/launcher_watch.py). Safe from any thread; a later signal still counts as the first."""
+        framework/lifecycle/launcher_watch.py). Safe from any thread; a later signal still counts as the first."""
         if not self.requested:
             self.signal_name = reason
         self.requested = True

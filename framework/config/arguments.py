@@ -4,10 +4,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
+from framework.config.typed_fields import check_field_types
+from framework.lifecycle.preemption import parse_signals
 from framework.loggers.base import Logger
 from framework.loggers.registry import check_logger_choices
-from framework.run.preemption import parse_signals
-from framework.run.typed_fields import check_field_types
 
 PROFILERS = ("off", "throughput", "torch")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -21,8 +21,8 @@ class _CarriesRunConfig:
     __slots__ = ("_run_config",)
 
     @property
-    def run_config(self) -> Optional[Any]:  # a RunConfig (not imported: framework.run.config imports this file)
-        """The :class:`~framework.run.config.RunConfig` that :func:`~framework.parse_config` built these
+    def run_config(self) -> Optional[Any]:  # a RunConfig (not imported: framework.config.cli imports this file)
+        """The :class:`~framework.config.cli.RunConfig` that :func:`~framework.parse_config` built these
         arguments in (set by it; the trainer saves its every section, yours included, to
         ``config.yaml``); None for arguments built in code or copied."""
         return getattr(self, "_run_config", None)  # a slot is unset until parse_config sets it

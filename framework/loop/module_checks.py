@@ -12,9 +12,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from backends import TrainerBackend
+from framework.config.arguments import TrainerArguments
 from framework.loop.hooks import TrainingHooks
 from framework.module import ModuleInterface
-from framework.run.arguments import TrainerArguments
 
 logger = logging.getLogger("framework")
 
@@ -353,7 +353,7 @@ def naming_missing_keys(checkpoint_path: Optional[str], part: str = "trainer sta
         ...     {}["ranks"]
         Traceback (most recent call last):
         ...
-        framework.run.checks.CheckpointMismatch: checkpoint ckpt.pt: its trainer state has no 'ranks' entry; it was not written by this trainer (or by an incompatible version)
+        framework.loop.module_checks.CheckpointMismatch: checkpoint ckpt.pt: its trainer state has no 'ranks' entry; it was not written by this trainer (or by an incompatible version)
     """  # noqa: E501 - a doctest's expected error message is one line
     try:
         yield

@@ -2,7 +2,7 @@
 
 Importing PyYAML costs about 15 ms in a fresh process, most of a short run's fixed cost; the
 resolved config is only plain values (``None``, booleans, numbers, strings, lists and
-mappings with string keys: :func:`framework.run.config_convert.plain`), which this writes
+mappings with string keys: :func:`framework.config.conversion.plain`), which this writes
 in block style. A string is written plain only where it starts with a letter, ``_`` or ``/``,
 holds only letters, digits and ``_./-`` and is not a YAML 1.1 word (``yes``, ``off``,
 ``null``); every other string is double-quoted, so none reads back as another type. Floats

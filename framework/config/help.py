@@ -1,4 +1,4 @@
-"""The ``--help`` text of :func:`framework.run.config.parse_config`: every section and field with its
+"""The ``--help`` text of :func:`framework.config.cli.parse_config`: every section and field with its
 type, default and the docstring written under the field."""
 
 import ast
@@ -9,7 +9,7 @@ import textwrap
 import typing
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
-from framework.run.config_convert import type_name
+from framework.config.conversion import type_name
 
 _HIDDEN_FIELDS = {("trainer", "checkpointer_args")}  # set from the checkpointer section
 
@@ -158,7 +158,7 @@ def generated_arguments_doc(text: str) -> str:
     """``text`` (``docs/arguments.md``) with every ``<!-- fields: NAME -->`` block replaced by the table
     of the class NAME (``TrainerArguments`` or ``DefaultCheckpointerArguments``) as the code says it."""
     from framework.checkpoint.arguments import DefaultCheckpointerArguments
-    from framework.run.arguments import TrainerArguments
+    from framework.config.arguments import TrainerArguments
 
     classes = {cls.__name__: cls for cls in (TrainerArguments, DefaultCheckpointerArguments)}
 

@@ -35,7 +35,7 @@ class YamlRefused(ValueError):
         >>> load_yaml("a: &a [1, 1, 1]\\nb: &b [*a, *a, *a]\\nc: [*b, *b, *b]", max_values=20)
         Traceback (most recent call last):
         ...
-        framework.run.bounded_yaml.YamlRefused: the YAML stands for more than 20 values once its aliases are expanded ...
+        framework.config.bounded_yaml.YamlRefused: the YAML stands for more than 20 values once its aliases are expanded ...
     """
 
 
@@ -54,11 +54,11 @@ def load_yaml(text: str, max_values: int = MAX_VALUES, max_depth: int = MAX_DEPT
         >>> load_yaml("trainer: {epochs: 3}\\ntrainer: {epochs: 4}")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        framework.run.bounded_yaml.YamlRefused: the key 'trainer' appears twice in one mapping (lines 1 and 2): ...
+        framework.config.bounded_yaml.YamlRefused: the key 'trainer' appears twice in one mapping (lines 1 and 2): ...
     """
     import yaml  # on first use: importing it costs more than the rest of the config code
 
-    from framework.run.bounded_repr import bounded_text
+    from framework.config.bounded_repr import bounded_text
 
     if len(text) > MAX_CHARS:
         raise YamlRefused(f"the YAML is {len(text)} characters long; the most read is {MAX_CHARS}")

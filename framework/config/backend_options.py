@@ -8,13 +8,13 @@ and the saved ``config.yaml`` show the values the run used.
 
 from typing import Any, Dict, List, Tuple
 
-from framework.run.arguments import TrainerArguments
-from framework.run.bounded_repr import bounded_repr
-from framework.run.bounded_yaml import YamlRefused, load_yaml
+from framework.config.arguments import TrainerArguments
+from framework.config.bounded_repr import bounded_repr
+from framework.config.bounded_yaml import YamlRefused, load_yaml
 
 FIELD = "trainer.backend_options"
 _PREFIXES = ("trainer.backend_options.", "backend_options.")
-Given = Tuple[str, Any, str, bool]  # (key, value, source, from_text), as framework/run/config.py collects them
+Given = Tuple[str, Any, str, bool]  # (key, value, source, from_text), as framework/config/cli.py collects them
 
 
 def gather_backend_options(given: List[Given]) -> List[str]:

@@ -5,7 +5,7 @@ running, unsupervised, writing checkpoints that a restarted launcher's workers t
 While training runs, a daemon thread checks every :data:`POLL_SECONDS` whether this
 process's parent (the launcher, when the cluster environment says it is:
 ``ClusterEnvironment.parent_is_launcher``) is still its parent. When it is gone, the thread
-asks the :class:`~framework.run.preemption.PreemptionHandler` for a stop: the run saves at the
+asks the :class:`~framework.lifecycle.preemption.PreemptionHandler` for a stop: the run saves at the
 next step boundary the ranks agree on and exits with status 75, naming the lost launcher.
 Nothing runs in the training loop (the loop already reads the handler's flag).
 
@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from framework.run.preemption import PreemptionHandler
+from framework.lifecycle.preemption import PreemptionHandler
 
 logger = logging.getLogger("framework")
 

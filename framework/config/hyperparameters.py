@@ -65,7 +65,7 @@ def unplain_path(value: Any, path: str = "") -> Optional[str]:
 
 def check_writable(values: Mapping[str, Any]) -> None:
     """Refuse hyper-parameters that ``config.yaml`` could not hold within the bounds its reader keeps
-    (:mod:`framework.run.bounded_yaml`): nesting past ``MAX_DEPTH`` with the file's own levels, or more
+    (:mod:`framework.config.bounded_yaml`): nesting past ``MAX_DEPTH`` with the file's own levels, or more
     than ``MAX_VALUES`` values in all. A cycle is refused by the walk itself.
 
     Raises:
@@ -75,9 +75,9 @@ def check_writable(values: Mapping[str, Any]) -> None:
         >>> check_writable({"vocabulary": ["a"] * 100_001})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        framework.run.hyperparameters.UnwritableHyperParameter: save_hyperparameters: vocabulary holds 100002 values; ...
+        framework.config.hyperparameters.UnwritableHyperParameter: save_hyperparameters: vocabulary holds 100002 values; ...
     """
-    from framework.run.bounded_yaml import MAX_DEPTH, MAX_VALUES
+    from framework.config.bounded_yaml import MAX_DEPTH, MAX_VALUES
 
     sizes: Dict[str, int] = {}
     for name, value in values.items():
@@ -226,13 +226,13 @@ def add_to_config(args: Any, hyper_parameters: Mapping[str, Any]) -> None:
 
     Example:
         >>> from framework import TrainerArguments
-        >>> from framework.run.config import resolved_config
+        >>> from framework.config.cli import resolved_config
         >>> args = TrainerArguments()
         >>> add_to_config(args, {"lr": 0.1})
         >>> resolved_config(args).to_dict()["hyper_parameters"]
         {'lr': 0.1}
     """
-    from framework.run.config import RunConfig, resolved_config
+    from framework.config.cli import RunConfig, resolved_config
 
     check_writable(hyper_parameters)  # hparams may have changed since they were saved
     config = resolved_config(args)

@@ -1,5 +1,5 @@
 """Config values as their fields' types: ``convert`` (command-line text or YAML values in) and
-``plain`` (YAML-safe values out), for :mod:`framework.run.config`."""
+``plain`` (YAML-safe values out), for :mod:`framework.config.cli`."""
 
 import collections.abc
 import dataclasses
@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Any, Callable, Dict, Mapping, Optional
 
-from framework.run.bounded_repr import bounded_repr
+from framework.config.bounded_repr import bounded_repr
 
 _TRUE, _FALSE, _NONE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}, {"none", "null", "~"}
 _SEQUENCES = (list, tuple, set, collections.abc.Sequence)
@@ -167,7 +167,7 @@ def _to_dataclass(value: Any, hint: Any, from_text: bool) -> Any:
 
 
 def _parse_text(text: str) -> Any:
-    from framework.run.bounded_yaml import YamlRefused, load_yaml
+    from framework.config.bounded_yaml import YamlRefused, load_yaml
 
     try:
         return load_yaml(text)

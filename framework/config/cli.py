@@ -5,7 +5,7 @@ VALUE`` (or ``--SECTION.FIELD=VALUE``) overrides one field; ``--backend NAME`` i
 ``--trainer.backend NAME``; a boolean field given without a value is set to true. Values are
 checked against the field types, an unknown key is an error that suggests the closest valid
 one, and ``--help`` lists every field with its default and description. A section may be
-LightningCLI's ``class_path`` / ``init_args`` (framework/run/class_path.py); ``--print_config`` prints
+LightningCLI's ``class_path`` / ``init_args`` (framework/config/class_path.py); ``--print_config`` prints
 the resolved config as YAML and exits.
 """
 
@@ -19,11 +19,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from backends.checkpoint_io import run_files
 from framework.checkpoint.arguments import DefaultCheckpointerArguments
-from framework.run.arguments import TrainerArguments
-from framework.run.backend_options_config import gather_backend_options
-from framework.run.bounded_repr import bounded_repr
-from framework.run.bounded_yaml import YamlRefused, load_yaml
-from framework.run.class_path import (
+from framework.config.arguments import TrainerArguments
+from framework.config.backend_options import gather_backend_options
+from framework.config.bounded_repr import bounded_repr
+from framework.config.bounded_yaml import YamlRefused, load_yaml
+from framework.config.class_path import (
     HANDED_TO_MODEL,
     SPEC_SECTIONS,
     apply_class_override,
@@ -34,11 +34,11 @@ from framework.run.class_path import (
     check_handed_sections,
     is_class_override,
 )
-from framework.run.config_convert import convert, plain, type_name
-from framework.run.config_help import _HIDDEN_FIELDS, _usage, format_help
-from framework.run.lightning_names import LIGHTNING_ALIASES, LIGHTNING_HINTS, LIGHTNING_TOP_LEVEL
+from framework.config.conversion import convert, plain, type_name
+from framework.config.help import _HIDDEN_FIELDS, _usage, format_help
+from framework.config.lightning_names import LIGHTNING_ALIASES, LIGHTNING_HINTS, LIGHTNING_TOP_LEVEL
+from framework.config.yaml_text import to_yaml
 from framework.run.run_identity import RUN_ID_KEY
-from framework.run.yaml_text import to_yaml
 
 logger = logging.getLogger("framework")
 DEFAULT_SECTIONS: Dict[str, Type] = {"trainer": TrainerArguments, "checkpointer": DefaultCheckpointerArguments}
@@ -74,7 +74,7 @@ class RunConfig:
 
     def build_module(self, default: Optional[Callable[[], Any]] = None) -> Any:
         """The module the ``model`` section's ``class_path`` names (with ``optimizer=`` from an
-        ``optimizer`` section), else ``default()`` (see framework/run/class_path.py)."""
+        ``optimizer`` section), else ``default()`` (see framework/config/class_path.py)."""
         if "model" not in self.class_specs and default is not None:
             return default()
         return build_module(self.class_specs)
@@ -373,7 +373,7 @@ def _flatten(data: Mapping[str, Any], source: str, errors: Optional[List[str]] =
         elif key in LIGHTNING_TOP_LEVEL and errors is not None:
             errors.append(f"{key!r} (from {source}) is LightningCLI's top-level key; here it is {LIGHTNING_TOP_LEVEL[key]}")
         elif value is None or _names_class(key, value):
-            continue  # an empty section, or a class_path one (framework/run/class_path.py)
+            continue  # an empty section, or a class_path one (framework/config/class_path.py)
         elif isinstance(value, Mapping):
             for name, item in value.items():
                 flat[f"{key}.{name}"] = item

@@ -37,12 +37,13 @@ class Evaluator:
         record: called with each loader's metrics (history, loggers, ``on_log_metrics``).
 
     Example:
-        evaluator = Evaluator(module, runner, backend, hooks, args, record=print)
+        evaluator = Evaluator(module=module, runner=runner, backend=backend, hooks=hooks, args=args, record=print)
         metrics = evaluator.run(Stage.VAL, global_step=100)
     """
 
     def __init__(
         self,
+        *,
         module: ModuleInterface,
         runner: torch.nn.Module,
         backend: TrainerBackend,

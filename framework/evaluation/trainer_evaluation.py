@@ -40,6 +40,7 @@ class TrainerEvaluation:
 
     def __init__(
         self,
+        *,
         module: ModuleInterface,
         backend: TrainerBackend,
         checkpointer: AbstractCheckpointer,

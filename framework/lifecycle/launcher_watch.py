@@ -40,12 +40,12 @@ class LauncherWatch:
 
     Example:
         >>> handler = PreemptionHandler([])
-        >>> with LauncherWatch(handler, "torchrun", enabled=True) as watch:
+        >>> with LauncherWatch(handler=handler, launcher="torchrun", enabled=True) as watch:
         ...     watch.lost
         False
     """
 
-    def __init__(self, handler: PreemptionHandler, launcher: str, enabled: bool, poll_seconds: float = POLL_SECONDS) -> None:
+    def __init__(self, *, handler: PreemptionHandler, launcher: str, enabled: bool, poll_seconds: float = POLL_SECONDS) -> None:
         self.handler = handler
         self.launcher = launcher
         self.enabled = enabled

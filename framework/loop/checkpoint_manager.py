@@ -57,6 +57,7 @@ class CheckpointManager:
 
     def __init__(
         self,
+        *,
         module: ModuleInterface,
         args: TrainerArguments,
         backend: TrainerBackend,

@@ -1,26 +1,23 @@
 """What :meth:`~framework.Trainer.train` does before its first step, in order, and the notes it logs then.
 
 :class:`RunStart` is a component the trainer holds as ``trainer.run_start``; it is given the parts
-it calls, and the trainer only as callbacks see it (:class:`~framework.loop.view.TrainerView`).
+it calls, by keyword, and not the trainer (handing callbacks the trainer is ``prepare_callbacks``).
 """
 
 import logging
 import os
-from typing import List
+from typing import Callable, List
 
 from backends import TrainerBackend
 from backends.environments import LocalEnvironment
-from framework.callbacks.base import Callback
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.config.arguments import TrainerArguments
 from framework.config.cli import resolved_config
 from framework.loggers import LoggerSet, build_loggers
-from framework.loop import module_checks as checks
 from framework.loop.checkpoint_manager import CheckpointManager
-from framework.loop.hooks import HookDispatcher
 from framework.loop.stopping import StopConditions
 from framework.loop.training_setup import TrainingSetup
-from framework.loop.view import TrainerView
+from framework.loop.training_state import TrainingProgress
 from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface
 from framework.run.finished_run import changed_settings, log_nothing_to_do
@@ -34,8 +31,9 @@ class RunStart:
     """Sets a run up before its first step (``trainer.run_start``); :meth:`run` is the sequence.
 
     Args:
-        trainer: handed to the callbacks, and read for the start notes.
-        module, args, backend, checkpointer, callbacks, hooks: the trainer's own.
+        module, args, backend, checkpointer: the trainer's own.
+        progress: the training counters (a resumed run that is already complete says so).
+        prepare_callbacks: hands the callbacks the trainer and looks the hooks up afresh.
         setup: builds what the step runs on, and searches the micro-batch.
         checkpoint_manager: restores the checkpoint the checkpointer finds.
         run_claim: the run's directories: ``version_<N>``, the lock, the check before writing.
@@ -49,21 +47,21 @@ class RunStart:
 
     def __init__(
         self,
-        trainer: TrainerView,
+        *,
         module: ModuleInterface,
         args: TrainerArguments,
         backend: TrainerBackend,
         checkpointer: AbstractCheckpointer,
-        callbacks: List[Callback],
-        hooks: HookDispatcher,
+        progress: TrainingProgress,
+        prepare_callbacks: Callable[[], None],
         setup: TrainingSetup,
         checkpoint_manager: CheckpointManager,
         run_claim: RunClaim,
         recorder: MetricRecorder,
         stopping: StopConditions,
     ) -> None:
-        self.trainer, self.module, self.args, self.backend = trainer, module, args, backend
-        self.checkpointer, self.callbacks, self.hooks, self.setup = checkpointer, callbacks, hooks, setup
+        self.module, self.args, self.backend, self.checkpointer = module, args, backend, checkpointer
+        self.progress, self.prepare_callbacks, self.setup = progress, prepare_callbacks, setup
         self.checkpoint_manager, self.run_claim, self.recorder, self.stopping = checkpoint_manager, run_claim, recorder, stopping
         self.started = False
 
@@ -79,7 +77,7 @@ class RunStart:
         self.prepare_callbacks()
         if first_start:
             self.started = True
-            log_run_start(self.trainer)  # checkpoint retention; ddp as one process
+            log_run_start(args, self.backend, self.checkpointer)  # checkpoint retention; ddp as one process
             if not args.fast_dev_run:
                 self.setup.warn_if_not_resumable()
                 self.run_claim.claim_directory()  # before anything is written: never overwrite another run's files
@@ -94,7 +92,7 @@ class RunStart:
     def _write_config(self) -> None:
         """``config.yaml``, with the run's id; first, when the loaded checkpoint already finished the
         run, say so (and which settings changed since)."""
-        args, steps, epochs = self.args, self.trainer.global_steps_finished, self.trainer.epochs_finished
+        args, steps, epochs = self.args, self.progress.global_steps_finished, self.progress.epochs_finished
         path, config = os.path.join(args.output_dir, "config.yaml"), resolved_config(args)
         if self.checkpointer.loaded_from is not None and self.stopping.complete(epochs, steps):
             log_nothing_to_do(steps, epochs, changed_settings(path, config.to_dict()))  # before config.yaml is rewritten
@@ -102,15 +100,8 @@ class RunStart:
             write_run_record(args.output_dir, self.checkpoint_manager.run_id)
         config.save(path, run_id=self.checkpoint_manager.run_id)
 
-    def prepare_callbacks(self) -> None:
-        """Hand each callback the trainer; look hooks up afresh (callbacks may have changed)."""
-        for callback in self.callbacks:
-            callback.setup(self.trainer)
-        checks.check_hook_signatures(self.module, *self.callbacks)
-        self.hooks.refresh()
 
-
-def run_start_notes(trainer: TrainerView) -> List[str]:
+def run_start_notes(args: TrainerArguments, backend: TrainerBackend, checkpointer: AbstractCheckpointer) -> List[str]:
     """The lines :func:`log_run_start` writes (every rank computes them; nothing collective).
 
     - what the checkpointer writes and keeps (``AbstractCheckpointer.describe``), unless
@@ -119,23 +110,23 @@ def run_start_notes(trainer: TrainerView) -> List[str]:
       without a launcher or with a world size of 1.
     """
     notes = []
-    if trainer.checkpointing_enabled:
-        description = trainer.checkpointer.describe()
+    if not args.fast_dev_run:  # checkpointing is on
+        description = checkpointer.describe()
         if description:
             notes.append(description)
-    if trainer.backend.multi_process and trainer.backend.world_size == 1:
-        environment = trainer.backend.cluster_environment
+    if backend.multi_process and backend.world_size == 1:
+        environment = backend.cluster_environment
         how = (
             "not launched by torchrun/srun"
             if isinstance(environment, LocalEnvironment)
             else f"{environment.launcher} started a world size of 1"
         )
-        notes.append(f"{trainer.args.backend} backend with one process ({how}): training as a single process")
+        notes.append(f"{args.backend} backend with one process ({how}): training as a single process")
     return notes
 
 
-def log_run_start(trainer: TrainerView) -> None:
+def log_run_start(args: TrainerArguments, backend: TrainerBackend, checkpointer: AbstractCheckpointer) -> None:
     """Log :func:`run_start_notes` at INFO on rank zero."""
-    if trainer.is_main_process:
-        for note in run_start_notes(trainer):
+    if backend.is_main_process:
+        for note in run_start_notes(args, backend, checkpointer):
             logger.info("%s", note)

@@ -23,13 +23,13 @@ class StopConditions:
         preemption: the signal handler whose ``requested`` flag counts as a stop.
 
     Example:
-        stopping = StopConditions(args, backend, preemption)
+        stopping = StopConditions(args=args, backend=backend, preemption=preemption)
         stopping.start_clock()
         if stopping.after_step(step, epochs_finished):
             ...  # leave the epoch
     """
 
-    def __init__(self, args: TrainerArguments, backend: TrainerBackend, preemption: PreemptionHandler) -> None:
+    def __init__(self, *, args: TrainerArguments, backend: TrainerBackend, preemption: PreemptionHandler) -> None:
         self.args, self.backend, self.preemption = args, backend, preemption
         self.should_stop = False
         self.time_is_up = False

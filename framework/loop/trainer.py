@@ -2,50 +2,34 @@
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from backends import TrainerBackend, build_backend
+from backends import TrainerBackend
 from backends.strategies.meta_init import move_module
 from framework import export
 from framework.callbacks.base import Callback, StopTraining
-from framework.callbacks.defaults import with_default_callbacks
 from framework.checkpoint import AbstractCheckpointer
-from framework.checkpoint.default import default_checkpointer
-from framework.config.arguments import TrainerArguments, micro_batch_plan
-from framework.config.cli import config_callbacks, own_copy
+from framework.config.arguments import TrainerArguments
+from framework.config.cli import own_copy
 from framework.data.data_module import DataModule, attach_data_module
 from framework.data.rng import seed_everything
 from framework.data.train_loader import TrainLoader
-from framework.evaluation.loops import Evaluator
 from framework.evaluation.sanity_check import run_sanity_check, sanity_check_due
-from framework.evaluation.trainer_evaluation import TrainerEvaluation
-from framework.lifecycle.launcher_watch import LauncherWatch
-from framework.lifecycle.logging_setup import configure_logging
-from framework.lifecycle.preemption import PreemptionHandler, TrainingPreempted, parse_signals
-from framework.loggers import LoggerSet, build_loggers, run_status
+from framework.lifecycle.preemption import TrainingPreempted
+from framework.loggers import LoggerSet, run_status
 from framework.loop import module_checks as checks
-from framework.loop.checkpoint_manager import CheckpointManager
-from framework.loop.hooks import HookDispatcher
 from framework.loop.manual_optimization import ManualOptimization
 from framework.loop.owned_by import OwnedBy
-from framework.loop.run_start import RunStart
-from framework.loop.schedule_errors import explain_exhausted_schedule
 from framework.loop.schedulers import LRSchedules
 from framework.loop.stage import Stage
 from framework.loop.step_outputs import concatenate_outputs
-from framework.loop.stopping import StopConditions
-from framework.loop.training_setup import TrainingSetup
-from framework.loop.training_state import TrainingProgress, accumulation_cycles
-from framework.loop.training_step import TrainingStep
-from framework.metrics.collector import MetricCollector, MetricHistory
-from framework.metrics.loss_tracker import LossTracker
-from framework.metrics.recorder import MetricRecorder
-from framework.module import ModuleInterface, StepRunner
-from framework.run.run_claim import RunClaim
+from framework.loop.trainer_parts import build_parts
+from framework.loop.training_state import accumulation_cycles
+from framework.metrics.collector import MetricHistory
+from framework.module import ModuleInterface
 
 logger = logging.getLogger("framework")
 
@@ -91,65 +75,20 @@ class Trainer:
             args = dataclasses.replace(args, epochs=1, min_epochs=0, max_train_steps_per_epoch=1, max_val_steps_per_epoch=1)
         else:
             args = own_copy(args)  # output_dir may move to version_<N>
-        self.args = args
-        self.module = module
-        self.preemption = PreemptionHandler(parse_signals(args.preemption_signals))
-        if trainer_backend is not None:
-            trainer_backend.check_options(args)  # an instance keeps its own options: refuse arguments it would lose
-        self.backend = trainer_backend if trainer_backend is not None else build_backend(args.backend, args)
-        self.backend.setup()  # every option went to the strategy's and the precision's constructors
-        environment = self.backend.cluster_environment
-        self.launcher_watch = LauncherWatch(self.preemption, environment.launcher, environment.parent_is_launcher)
-        try:
-            configure_logging(args.log_level, self.backend.is_main_process)
-            plan = micro_batch_plan(args.train_batch_size, self.backend.data_parallel_size, args.gpu_batch_size_limit)
-            automatic = checks.check_optimization_mode(module, args, plan[1])
-            loggers = LoggerSet(build_loggers(args), active=self.backend.is_main_process and not args.fast_dev_run)
-        except Exception:
-            self.backend.teardown()
-            raise
-        self.checkpointer = default_checkpointer(  # writes and reads through the strategy
-            self.backend.strategy, checkpointer, args.checkpointer_args, default_dir=os.path.join(args.output_dir, "checkpoints")
+        self.args, self.module = args, module
+        parts = build_parts(  # each part given what it needs, by keyword (framework/loop/trainer_parts.py)
+            module=module, args=args, backend=trainer_backend, checkpointer=checkpointer, callbacks=callbacks, view=self
         )
-        callbacks = [*callbacks, *config_callbacks(args)]  # + the config's trainer.callbacks
-        self.callbacks: List[Callback] = with_default_callbacks(callbacks, args)  # + ModelSummary, ProgressBar
-        self.hooks = HookDispatcher(module, self.callbacks)
-        self.history = MetricHistory()
-        self.progress = TrainingProgress()
-        self.losses = LossTracker(self.device)
-        self._metrics = MetricCollector()  # what module.log collects, on the device
-        self.stopping = StopConditions(args, self.backend, self.preemption)
-        self.recorder = MetricRecorder(  # owns the loggers
-            args, self.backend, self.progress, self.history, loggers, self.hooks, self._metrics, self.losses
-        )
-        self.recorder.hidden_names = module.logger_off_names  # self.log(..., logger=False): history and hooks only
-        self.training_step = TrainingStep(module, args, self.backend, self.hooks, self.progress, self.losses, self._metrics)
-        self.training_step.explain_schedule_error = lambda error: explain_exhausted_schedule(error, self)
-        self._runner = StepRunner(module)
+        self.preemption, self.backend, self.launcher_watch = parts.preemption, parts.backend, parts.launcher_watch
+        self.checkpointer, self.callbacks, self.hooks = parts.checkpointer, parts.callbacks, parts.hooks
+        self.history, self.progress, self.losses = parts.history, parts.progress, parts.losses
+        self.collector, self.stopping, self.recorder = parts.collector, parts.stopping, parts.recorder
+        self.runner, self.training_step, self.training_setup = parts.runner, parts.training_step, parts.training_setup
+        self.run_claim, self.checkpoint_manager, self.run_start = parts.run_claim, parts.checkpoint_manager, parts.run_start
+        self.evaluator, self.evaluation = parts.evaluator, parts.evaluation
         self._stream_ended = False  # a stream without a length ran out in this epoch
         self._compile_started: Optional[float] = None
-        self.training_setup = TrainingSetup(  # loader, wrapped module, optimizers, schedules, micro-batch plan
-            module, args, self.backend, self._runner, self.training_step, self.hooks, self.progress, self._metrics,
-            plan, automatic,
-        )  # fmt: skip
-        self.run_claim = RunClaim(  # version_<N>, the run's lock
-            args, self.checkpointer, self.backend, on_lost=lambda: self.preemption.request("the loss of the run lock")
-        )
-        self.checkpoint_manager = CheckpointManager(  # save, restore, state_dict
-            module, args, self.backend, self.checkpointer, self.training_setup, self.progress, self.stopping,
-            self.losses, self._metrics, self.history, self.recorder, self.callbacks, self.run_claim,
-        )  # fmt: skip
-        self.run_start = RunStart(  # what train() does before its first step
-            self, module, args, self.backend, self.checkpointer, self.callbacks, self.hooks, self.training_setup,
-            self.checkpoint_manager, self.run_claim, self.recorder, self.stopping,
-        )  # fmt: skip
-        self.evaluator = Evaluator(module, self._runner, self.backend, self.hooks, args, self.recorder.record)
-        self.evaluation = TrainerEvaluation(  # validate, test, predict: outside training
-            module, self.backend, self.checkpointer, args, self.evaluator, self._runner, self.progress, self.recorder,
-            self.callbacks, self.run_start.prepare_callbacks, self._evaluation_batch_size, lambda: self.run_start.started,
-            self.run_claim.note_evaluation,
-        )  # fmt: skip
-        module.attach(self, self._metrics)
+        module.attach(self, self.collector)
         seed_everything(args.seed)
         try:  # rank and world size are known; nothing is built from the module yet
             attach_data_module(module, datamodule, self.backend)  # prepare_data() on rank zero, every rank waiting
@@ -420,13 +359,12 @@ class Trainer:
         Collective: call on every rank (see ``docs/export.md``)."""
         return export.export_program(self, path, example_inputs, format, checkpoint)
 
-    def _evaluation_batch_size(self) -> int:
-        return self.args.val_batch_size or self.training_setup.train_step_batch_size
-
     def _evaluate(self, stage: Stage, max_batches: Optional[int] = None, record: bool = True) -> Dict[str, float]:
         """The loop's validation: recorded, then the schedulers that step after it (``record=False``: neither)."""
         progress = self.progress
-        results = self.evaluator.run(stage, progress.global_steps_finished, self._evaluation_batch_size(), max_batches, record)
+        results = self.evaluator.run(
+            stage, progress.global_steps_finished, self.training_setup.evaluation_batch_size(), max_batches, record
+        )
         if record and stage is Stage.VAL:
             progress.last_validated_step = progress.global_steps_finished
             if self.training_setup.automatic_optimization:

@@ -48,6 +48,7 @@ class TrainingSetup:
 
     def __init__(
         self,
+        *,
         module: ModuleInterface,
         args: TrainerArguments,
         backend: TrainerBackend,
@@ -70,6 +71,11 @@ class TrainingSetup:
         self.manual_optimization: Optional[ManualOptimization] = None
         self.forward: Optional[Callable[..., Any]] = None  # the strategy's step function, once built
         self.micro_batch_found = False  # gpu_batch_size_limit="auto": searched, or read from a checkpoint
+
+    def evaluation_batch_size(self) -> int:
+        """The evaluation batch per process now: ``val_batch_size``, else the train micro-batch
+        (which the micro-batch search may change)."""
+        return self.args.val_batch_size or self.train_step_batch_size
 
     @property
     def schedulers(self) -> List[Any]:

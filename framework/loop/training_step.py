@@ -59,13 +59,16 @@ class TrainingStep:
         collector: where ``track_grad_norm`` logs the gradient norm.
 
     Example:
-        step = TrainingStep(module, args, backend, hooks, progress, losses, collector)
+        step = TrainingStep(
+            module=module, args=args, backend=backend, hooks=hooks, progress=progress, losses=losses, collector=collector
+        )
         step.prepare(forward, wrapped, optimizers, schedules, automatic=True, loader_length=len(loader))
         micro_batches = step.run(iter(loader), cycle_length=4)
     """
 
     def __init__(
         self,
+        *,
         module: ModuleInterface,
         args: TrainerArguments,
         backend: TrainerBackend,

@@ -39,6 +39,7 @@ class MetricRecorder:
 
     def __init__(
         self,
+        *,
         args: TrainerArguments,
         backend: TrainerBackend,
         progress: TrainingProgress,

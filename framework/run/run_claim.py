@@ -35,7 +35,7 @@ class RunClaim:
             the trainer stops at its next step boundary, as on a signal.
 
     Example:
-        claim = RunClaim(args, checkpointer, backend, on_lost=lambda: print("lock lost"))
+        claim = RunClaim(args=args, checkpointer=checkpointer, backend=backend, on_lost=lambda: print("lock lost"))
         claim.move_if_taken()     # output_dir holds another run: this one writes to version_<N>
         claim.lock()              # a second live run on these directories is refused here
         claim.check()             # before each write: raises RunLockLost once the lock was taken over
@@ -44,6 +44,7 @@ class RunClaim:
 
     def __init__(
         self,
+        *,
         args: TrainerArguments,
         checkpointer: AbstractCheckpointer,
         backend: TrainerBackend,

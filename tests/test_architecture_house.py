@@ -57,7 +57,7 @@ def old_paths_named(path: str, source: str) -> List[str]:
 
 def test_no_file_of_the_project_names_a_moved_module_path():
     """The project uses the new paths; the old ones are for users' code, which gets a warning.
-    (After merging a branch written against the old paths: ``python /work/house_move.py``.)"""
+    A file found here imports the path on the left of framework/deprecated_paths.py's table: use the right."""
     offenders: Dict[str, List[str]] = {}
     for path in python_files(CODE):
         if path in ALIAS_FILES:

@@ -32,7 +32,8 @@ class TrainerEvaluation:
         batch_size: the evaluation batch per process now (the micro-batch search may change it).
         resumed: whether the trainer restored a checkpoint (so its weights are known ones).
         before_first_write: called before an evaluation outside training starts the loggers while
-            training never started (``RunClaim.note_evaluation``: the directory stays this run's).
+            training never started (``RunClaim.note_evaluation``: where its files go); True when they go
+            into the run this one continues and has not resumed yet (its files are appended to, never rewritten).
 
     Example:
         trainer.evaluation.validate(checkpoint="best")   # what trainer.validate(...) calls
@@ -53,7 +54,7 @@ class TrainerEvaluation:
         prepare_callbacks: Callable[[], None],
         batch_size: Callable[[], int],
         resumed: Callable[[], bool],
-        before_first_write: Callable[[], None] = lambda: None,
+        before_first_write: Callable[[], bool] = lambda: False,
     ) -> None:
         self.module, self.backend, self.checkpointer, self.args = module, backend, checkpointer, args
         self.evaluator, self.runner, self.progress, self.recorder = evaluator, runner, progress, recorder
@@ -92,9 +93,9 @@ class TrainerEvaluation:
         """``stage``'s loaders once, outside training, with the loggers started and finished."""
         self.load_checkpoint_weights(checkpoint, "validate" if stage is Stage.VAL else "test")
         self.prepare_callbacks()
-        if not self.resumed():  # training never started here: the files written now are its run's
-            self.before_first_write()
-        self.recorder.start_loggers()
+        # Training never started here: say where the files go (True: into the run this one continues, kept).
+        keep_existing = not self.resumed() and self.before_first_write()
+        self.recorder.start_loggers(keep_existing)
         try:  # no scheduler steps, no progress counters: this is not training
             return self.evaluator.run(stage, self.progress.global_steps_finished, self.batch_size())
         finally:

@@ -18,11 +18,15 @@ class RunInfo:
         output_dir: the run's ``output_dir`` (``metrics.csv``, ``config.yaml``).
         config: the run's resolved configuration, section by section (what ``config.yaml`` holds).
         records: every value recorded so far, oldest first (non-empty after a resume).
+        keep_existing: the run directory holds the run this one continues, not resumed yet (an evaluation
+            before training): keep the values already written there and append (a file logger must not
+            rewrite them from ``records``).
     """
 
     output_dir: str
     config: Dict[str, Any] = field(default_factory=dict)
     records: List[Record] = field(default_factory=list)
+    keep_existing: bool = False
 
 
 class Logger:

@@ -2,6 +2,7 @@
 
 import csv
 import io
+import os
 from typing import IO, Any, List, Optional
 
 from backends.checkpoint_io import run_files
@@ -15,7 +16,8 @@ class CSVLogger(Logger):
     values of the resumed run (nothing from steps that were lost). The trainer first makes sure
     the file is its own run's (:func:`framework.run.run_directory.check_output_dir_free`): a new
     run refuses an ``output_dir`` holding another run's ``metrics.csv``, so this never
-    truncates another run's values.
+    truncates another run's values; an evaluation before training of the run it continues
+    (``RunInfo.keep_existing``) appends to the file as it is.
 
     Example:
         >>> import os, tempfile
@@ -34,12 +36,13 @@ class CSVLogger(Logger):
         self._writer: Optional[Any] = None  # a csv.DictWriter while started
 
     def start(self, run: RunInfo) -> None:
-        history = io.StringIO()
-        writer = csv.DictWriter(history, fieldnames=self.FIELDS)
-        writer.writeheader()
-        writer.writerows(run.records)
-        # A new file replaces whatever is there (a link is replaced, its target untouched), then rows are appended.
-        run_files.write_bytes(self.path, history.getvalue().encode("utf-8"), run_files.METRICS)
+        if not (run.keep_existing and os.path.lexists(self.path)):  # the continued run's rows stay as written
+            history = io.StringIO()
+            writer = csv.DictWriter(history, fieldnames=self.FIELDS)
+            writer.writeheader()
+            writer.writerows(run.records)
+            # A new file replaces whatever is there (a link is replaced, its target untouched), then rows are appended.
+            run_files.write_bytes(self.path, history.getvalue().encode("utf-8"), run_files.METRICS)
         self._handle = handle = run_files.open_for_appending(self.path, run_files.METRICS)
         self._writer = csv.DictWriter(handle, fieldnames=self.FIELDS)
 

@@ -13,7 +13,6 @@ from backends.environments import LocalEnvironment
 from framework.checkpoint.abstract import AbstractCheckpointer
 from framework.config.arguments import TrainerArguments
 from framework.config.cli import resolved_config
-from framework.loggers import LoggerSet, build_loggers
 from framework.loop.checkpoint_manager import CheckpointManager
 from framework.loop.stopping import StopConditions
 from framework.loop.training_setup import TrainingSetup
@@ -70,8 +69,8 @@ class RunStart:
         then start the loggers, write ``config.yaml`` and start the clock."""
         args, first_start = self.args, not self.started
         if not args.fast_dev_run:  # another run's output_dir: train in version_<N>; a second live run stops here
-            if first_start and self.run_claim.move_if_taken():
-                self.recorder.loggers = LoggerSet(build_loggers(args), active=self.recorder.loggers.active)
+            if first_start:
+                self.run_claim.move_if_taken()  # the recorder's loggers follow output_dir when they start
             self.run_claim.lock()  # a lock taken over by another run stops this one at its next step
         self.setup.build()  # loader, wrapped module, optimizers, the step
         self.prepare_callbacks()

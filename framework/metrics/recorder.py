@@ -10,7 +10,7 @@ import torch
 from backends import TrainerBackend
 from framework.config.arguments import TrainerArguments
 from framework.config.cli import resolved_config
-from framework.loggers import LoggerSet, LoggerStartFailed, RunInfo
+from framework.loggers import LoggerSet, LoggerStartFailed, RunInfo, build_loggers
 from framework.loop.hooks import HookDispatcher
 from framework.loop.training_state import TrainingProgress
 from framework.metrics.collector import MetricCollector, MetricHistory, reduce_metrics
@@ -51,6 +51,7 @@ class MetricRecorder:
     ) -> None:
         self.args, self.backend, self.progress, self.history = args, backend, progress, history
         self.loggers, self.hooks, self.collector, self.losses = loggers, hooks, collector, losses
+        self.loggers_dir = args.output_dir  # where the loggers write: rebuilt when the run moves to version_<N>
         self.hidden_names: Callable[[], Set[str]] = set  # names logged with logger=False (the trainer sets the module's)
         self.sanity_checking = False
         """True during the sanity validation before training (``trainer.sanity_checking``): nothing is recorded."""
@@ -112,16 +113,23 @@ class MetricRecorder:
         self.loggers.log([record for record in records if record["name"] not in hidden] if hidden else records)  # rank zero
         self.hooks.call("on_log_metrics", step, dict(metrics))
 
-    def start_loggers(self) -> None:
+    def start_loggers(self, keep_existing: bool = False) -> None:
         """Start the loggers (rank zero) with the history so far; a later validate()/test() starts them again.
+
+        Args:
+            keep_existing: the run directory holds the run this one continues and has not resumed yet (an
+                evaluation before training): the loggers keep its files and append.
 
         Raises:
             LoggerStartFailed: a logger could not start (on every rank).
         """
         args = self.args
+        if args.output_dir != self.loggers_dir:  # the run moved to version_<N> (training, or an evaluation before it)
+            self.loggers, self.loggers_dir = LoggerSet(build_loggers(args), active=self.loggers.active), args.output_dir
 
         def start() -> None:
-            self.loggers.start(lambda: RunInfo(args.output_dir, resolved_config(args).to_dict(), list(self.history.records)))
+            records = list(self.history.records)
+            self.loggers.start(lambda: RunInfo(args.output_dir, resolved_config(args).to_dict(), records, keep_existing))
 
         # A logger that cannot start stops the run before step 1, on every rank (rank zero logs).
         self.backend.run_on_rank_zero(start, "could not start a logger", share_as=(LoggerStartFailed,))

@@ -56,15 +56,37 @@ class RunClaim:
         self.evaluated_first: Optional[bool] = None
         """Whether ``output_dir`` held no run's files when an evaluation before training first wrote
         there (None: no such evaluation); True makes those files this run's own."""
+        self.evaluates_continued_run = False
+        """An evaluation outside training writes into the run this one continues, not yet resumed."""
 
-    def note_evaluation(self) -> None:
-        """Before ``validate()``/``test()`` outside training writes its first file: remember whether
-        ``output_dir`` was free, so that a ``train()`` after it continues there (one run, one
-        directory) instead of moving to ``version_<N>`` away from its own evaluation."""
+    def note_evaluation(self) -> bool:
+        """Before ``validate()``/``test()`` outside training writes its first file: decide where it writes.
+
+        A free ``output_dir`` becomes this run's: a ``train()`` after it continues there (one run, one
+        directory) instead of moving to ``version_<N>`` away from its own evaluation. One that holds
+        another run this run does not continue is never written into: the evaluation, and a ``train()``
+        after it, move to ``version_<N>`` as a training run would (``output_dir_in_use="error"``
+        refuses). Collective: call it on every rank.
+
+        Returns:
+            True when ``output_dir`` holds the run this one continues (``resume="auto"``) and training
+            has not resumed it yet: the evaluation appends to that run's files instead of rewriting them.
+        """
         if self.evaluated_first is None and not self.args.fast_dev_run:
-            output_dir = self.args.output_dir
-            free = self.backend.run_on_rank_zero(lambda: not previous_run_files(output_dir), "failed to look at output_dir")
+            output_dir, checkpointer = self.args.output_dir, self.checkpointer
+            free, continues = self.backend.run_on_rank_zero(
+                lambda: (not previous_run_files(output_dir), checkpointer.continues_existing_run()),
+                "failed to look at output_dir",
+            )
+            self.evaluates_continued_run = not free and continues
+            if not free and not continues:
+                if not self.move_if_taken():  # output_dir_in_use="error"
+                    claim_run_directory(output_dir, checkpointer, self.backend)  # raises RunDirectoryInUse
+                if self.backend.is_main_process:  # give back version_<N>'s reserved lock: train() takes it again
+                    claim_run_lock(self.args.output_dir, None).release()  # type: ignore[union-attr]
+                free = True
             self.evaluated_first = bool(free)
+        return self.evaluates_continued_run
 
     def move_if_taken(self) -> bool:
         """Move ``args.output_dir`` to ``<output_dir>/version_<N>`` when it holds another run this run

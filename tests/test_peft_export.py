@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distributed import run_ranks
@@ -75,7 +76,8 @@ def check_export(merged_dir: str, adapters_dir: str, trained: torch.Tensor) -> N
 
 def test_a_lora_model_trained_on_sp_exports_merged_and_as_peft_adapters(tmp_path):
     """Kills: the LoRA-layout keys written as the model's (4 missing, 12 unexpected keys in from_pretrained),
-    a merge into the trained model itself (its logits change), and adapter files PEFT cannot load."""
+    a merge into the trained model itself (its logits change), adapter files PEFT cannot load or that hold
+    more than PEFT's own save (the base weights under the adapter's keys)."""
     module = lora_module()
     trainer = Trainer(module, toy_args(tmp_path, train_batch_size=8))
     trainer.train()
@@ -85,6 +87,10 @@ def test_a_lora_model_trained_on_sp_exports_merged_and_as_peft_adapters(tmp_path
     assert torch.equal(logits(module.model), trained)  # the export merged a copy, the trained model is as it was
     assert sorted(os.listdir(merged_dir)) == ["config.json", "generation_config.json", "model.safetensors"]
     check_export(merged_dir, adapters_dir, trained)
+    module.model.save_pretrained(str(tmp_path / "peft-own"))  # PEFT's own save, possible on one process
+    own = load_file(str(tmp_path / "peft-own" / "adapter_model.safetensors"))
+    written = load_file(os.path.join(adapters_dir, "adapter_model.safetensors"))
+    assert sorted(written) == sorted(own) and all(torch.equal(written[key], own[key]) for key in own)  # adapters only
 
 
 def test_what_cannot_be_exported_is_refused_before_anything_is_written(tmp_path):

@@ -41,6 +41,7 @@ from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface, StepRunner
 from framework.run import checks
 from framework.run.arguments import TrainerArguments, micro_batch_plan
+from framework.run.class_path import config_data_module
 from framework.run.config import config_callbacks, own_copy
 from framework.run.launcher_watch import LauncherWatch
 from framework.run.logging_setup import configure_logging
@@ -152,7 +153,7 @@ class Trainer:
         module.attach(self, self._metrics)
         seed_everything(args.seed)
         try:  # rank and world size are known; nothing is built from the module yet
-            attach_data_module(module, datamodule, self.backend)  # prepare_data() on rank zero, every rank waiting
+            attach_data_module(module, config_data_module(args) if datamodule is None else datamodule, self.backend)
             checks.check_module_setup(module)
             module.setup()
         except BaseException:
@@ -404,13 +405,12 @@ class Trainer:
         attribute: Optional[str] = None,
         checkpoint: Optional[str] = None,
         max_shard_size: Union[int, str, None] = "5GB",
+        peft_layout: str = "merged",
     ) -> str:
-        """Write the module's ``transformers`` model as ``save_pretrained`` does (its own keys,
-        ``config.json``, HF's shard names), so ``from_pretrained(directory)`` loads it; return
-        ``directory``. Collective: call on every rank (see ``docs/from-transformers.md``)."""
+        """Write the transformers model (peft: merged, or PEFT's files) as from_pretrained loads it; see from-transformers.md"""
         from framework.integrations.transformers import export_pretrained
 
-        return export_pretrained(self, directory, attribute, checkpoint, max_shard_size)
+        return export_pretrained(self, directory, attribute, checkpoint, max_shard_size, peft_layout)
 
     def export(
         self, path: str, example_inputs: Tuple[Any, ...], format: str = "torch.export", checkpoint: Optional[str] = None

@@ -35,7 +35,14 @@ class OwnContextLlama(LossParallelLlama):
 
 
 class WithoutTheSwitch(OwnContextLlama):
+    """The same without ``uses_loss_parallel``: its validation keeps its own context too, so the first
+    failure is the training backward, after the step's context closed."""
+
     uses_loss_parallel = False
+
+    def val_step(self, global_step, batch, device):
+        with loss_parallel():
+            return super().val_step(global_step, batch, device)
 
 
 def scenarios(rank: int, out: str) -> dict:
@@ -64,4 +71,5 @@ def test_a_train_steps_own_loss_parallel_works_with_the_switch_and_is_named_with
         assert run["losses"] == pytest.approx(hand["losses"], abs=TOLERANCE) and len(run["losses"]) == SAMPLES // BATCH
         for name, tensor in hand["weights"].items():
             assert (run["weights"][name] - tensor).abs().max().item() <= TOLERANCE, name
-        assert "set uses_loss_parallel = True on the module" in result["without"], result["without"][:2000]
+        said = result["without"]
+        assert "set uses_loss_parallel = True on the module" in said and "aten.nll_loss_backward" in said, said[:2000]

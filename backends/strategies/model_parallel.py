@@ -367,7 +367,8 @@ class ModelParallel(FSDP):
         own ``with loss_parallel():`` in ``train_step``) names ``uses_loss_parallel``."""
         if "got mixed torch.Tensor and DTensor" in str(error):
             return (
-                f"a loss on vocabulary-sharded logits had its backward outside loss_parallel() under {self.name}: "
+                f"a loss on vocabulary-sharded logits ran outside loss_parallel() under {self.name} (a val_step's "
+                "forward, or the backward after a train_step's own `with loss_parallel():`): "
                 f"set {LOSS_PARALLEL_ATTRIBUTE} = True on the module (a class attribute); the strategy then keeps "
                 "loss_parallel() open around each micro-batch's forward and backward and around evaluation (as "
                 "torchtitan's train context), and your own `with loss_parallel():` in train_step/val_step may stay "

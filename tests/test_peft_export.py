@@ -87,6 +87,11 @@ def test_a_lora_model_trained_on_sp_exports_merged_and_as_peft_adapters(tmp_path
     assert torch.equal(logits(module.model), trained)  # the export merged a copy, the trained model is as it was
     assert sorted(os.listdir(merged_dir)) == ["config.json", "generation_config.json", "model.safetensors"]
     check_export(merged_dir, adapters_dir, trained)
+    named = trainer.export_pretrained(str(tmp_path / "named"), attribute="model")  # the attribute holding the peft model
+    assert (
+        load_file(os.path.join(named, "model.safetensors")).keys()
+        == load_file(os.path.join(merged_dir, "model.safetensors")).keys()
+    )
     module.model.save_pretrained(str(tmp_path / "peft-own"))  # PEFT's own save, possible on one process
     own = load_file(str(tmp_path / "peft-own" / "adapter_model.safetensors"))
     written = load_file(os.path.join(adapters_dir, "adapter_model.safetensors"))

@@ -37,6 +37,20 @@ def find_peft(module: torch.nn.Module, prefix: str) -> Optional[Tuple[str, Any]]
     return None
 
 
+def peft_base_model(found: Any) -> Optional[Tuple[str, Any]]:
+    """``(prefix, model)``: where the ``PreTrainedModel`` a ``peft.PeftModel`` adapts sits inside it,
+    or None for anything else (never imports ``peft``).
+
+    Example:
+        >>> peft_base_model(torch.nn.Linear(1, 1))
+    """
+    base = getattr(sys.modules.get("peft"), "PeftModel", None)
+    if base is None or not isinstance(found, base):
+        return None
+    inner = found.get_base_model()
+    return next(name + "." for name, child in found.named_modules() if child is inner), inner
+
+
 def adapter_layers(model: torch.nn.Module) -> List[str]:
     """The names of the PEFT adapter layers (LoRA's ``lora_A``/``lora_B`` holders) inside ``model``.
 

@@ -31,6 +31,7 @@ from framework.integrations.peft_export import (
     check_peft_export,
     find_peft,
     merged_model,
+    peft_base_model,
 )
 from framework.module import ModuleInterface
 
@@ -45,7 +46,7 @@ DEFAULT_SHARD_SIZE = "5GB"
 def pretrained_prefix(module: torch.nn.Module, attribute: Optional[str] = None) -> Tuple[str, torch.nn.Module]:
     """``(prefix, model)``: where the ``PreTrainedModel`` sits inside ``module``.
 
-    ``attribute`` names it (dotted, e.g. ``"model"``); None: ``module`` itself if it is a
+    ``attribute`` names it (dotted, e.g. ``"model"``; or the ``peft`` model holding it); None: ``module`` itself if it is a
     ``PreTrainedModel``, else its only ``PreTrainedModel`` that no other one contains.
 
     Raises:
@@ -65,6 +66,9 @@ def pretrained_prefix(module: torch.nn.Module, attribute: Optional[str] = None) 
             found = module.get_submodule(attribute) if attribute else module
         except AttributeError:
             found = getattr(module, attribute, None)
+        inner = peft_base_model(found)  # a peft model: the PreTrainedModel it adapts
+        if inner is not None:
+            return (attribute + "." if attribute else "") + inner[0], inner[1]
         if not isinstance(found, base):
             raise ValueError(f"attribute={attribute!r} is a {type(found).__name__}, not a transformers PreTrainedModel")
         return (attribute + "." if attribute else ""), found

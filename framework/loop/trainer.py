@@ -69,7 +69,7 @@ class Trainer:
         callbacks: called after the module's own hooks, in this order. A model summary and a
             progress bar are put first unless ``args.model_summary=False``/``args.disable_tqdm``
             or one of the kind is given.
-        datamodule: a :class:`~framework.DataModule` serving the loaders the module does not define.
+        datamodule: a :class:`~framework.DataModule` serving the loaders the module lacks (None: the config's ``data:``).
 
     Example:
         trainer = Trainer(module=MyModule(), args=TrainerArguments(epochs=3))

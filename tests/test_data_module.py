@@ -109,3 +109,37 @@ def test_prepare_data_runs_on_rank_zero_only_and_setup_on_every_rank(tmp_path):
 
     first, second = run_ranks(data_module_ranks, out=str(tmp_path))
     assert first == ["prepare_data", "setup:fit"] and second == ["setup:fit"]
+
+
+CONFIG = """
+trainer: {epochs: 2, train_batch_size: 32, seed: 0, disable_tqdm: true, log_level: WARNING, sanity_val_steps: 0}
+checkpointer: {period: 0, save_at_end: false}
+model: {class_path: test_data_module.ModelOnly, init_args: {scheduler: null}}
+data: {class_path: test_data_module.ToyData}
+"""
+
+
+def test_the_configs_data_section_naming_a_data_module_goes_to_the_trainer(tmp_path):
+    # Fault: LightningCLI's data: section handed to the model's constructor (refused: ModelOnly takes no
+    # data=) or dropped (the run has no loaders), or built twice; a module built in code not given it.
+    from framework.config.cli import parse_config
+
+    path = tmp_path / "cli.yaml"
+    path.write_text(CONFIG)
+    config = parse_config(argv=["--config", str(path), "--trainer.output_dir", str(tmp_path / "run")])
+    module = config.build_module()
+    trainer = Trainer(module, config.trainer)
+    trainer.train()
+    assert isinstance(module.datamodule, ToyData) and module.datamodule.calls == ["prepare_data", "setup:fit"]
+    direct = ModelOnly(scheduler=None)
+    Trainer(direct, toy_args(tmp_path / "direct", epochs=2, train_batch_size=32), datamodule=ToyData()).train()
+    assert torch.equal(flat_parameters(module), flat_parameters(direct))  # the same run as datamodule=ToyData()
+    assert "data:\n  class_path: test_data_module.ToyData" in (tmp_path / "run" / "config.yaml").read_text()
+
+    in_code = ModelOnly(scheduler=None)  # the module built in code, the data from the config
+    config = parse_config(argv=["--data.class_path", "test_data_module.ToyData", "--trainer.output_dir", str(tmp_path / "b")])
+    Trainer(in_code, config.trainer).validate()
+    assert in_code.datamodule.calls == ["prepare_data", "setup:validate"]
+    given = ToyData()  # datamodule= wins over the config's section
+    Trainer(ModelOnly(), config.trainer, datamodule=given).validate()
+    assert given.calls == ["prepare_data", "setup:validate"]

@@ -123,12 +123,15 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-@contextlib.contextmanager
-def _inside_loss_parallel(context: ContextManager) -> Any:
-    from torch.distributed.tensor.parallel import loss_parallel
+def _reopen_loss_parallel() -> None:
+    """Loss parallelism on again inside the strategy's ``loss_parallel()``, after a ``train_step``'s own
+    ``with loss_parallel():`` turned it off on its way out (torch's context is not reentrant: its exit
+    removes the loss ops whoever else opened them); the strategy's exit then closes it once."""
+    from torch.distributed.tensor.parallel import loss
 
-    with context, loss_parallel():
-        yield
+    enable = getattr(loss, "_enable_custom_loss_ops", None)  # torch's own step of loss_parallel()'s entry
+    if enable is not None:
+        enable()
 
 
 class ModelParallel(FSDP):
@@ -189,6 +192,7 @@ class ModelParallel(FSDP):
         self.tensor_parallel_size = tensor_parallel_size or 1
         self.device_mesh: Any = None
         self.loss_parallel = False
+        self._loss_parallel_open = False  # inside the strategy's loss_parallel() (a micro-batch, an evaluation)
 
     @classmethod
     def from_arguments(cls, args: Optional[BackendArguments] = None) -> "ModelParallel":
@@ -311,8 +315,13 @@ class ModelParallel(FSDP):
             self.loss_parallel = bool(getattr(target, LOSS_PARALLEL_ATTRIBUTE, False))
         wrapped = super().wrap_module(module)  # shards over dp, then allocates and initializes each rank's meta parts
         if self.loss_parallel:  # the loss a step returns is a DTensor: the loop gets it whole, the backward still reaches it
-            wrapped.register_forward_hook(lambda _module, _inputs, outputs: map_tensors(outputs, _whole))
+            wrapped.register_forward_hook(self._loss_for_the_loop)
         return wrapped
+
+    def _loss_for_the_loop(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> Any:
+        if self._loss_parallel_open:  # a nested `with loss_parallel():` of the step's own is harmless
+            _reopen_loss_parallel()
+        return map_tensors(outputs, _whole)
 
     def split_over_tensor_parallel(self, target: torch.nn.Module, tp_mesh: Any) -> None:
         """Split ``target``'s layers over ``tp_mesh`` by its ``parallelize(tp_mesh)`` or its plan,
@@ -340,19 +349,30 @@ class ModelParallel(FSDP):
     def _within_loss_parallel(self, context: ContextManager) -> ContextManager:
         if not self.loss_parallel:
             return context
-        return _inside_loss_parallel(context)
+        return self._inside_loss_parallel(context)
+
+    @contextlib.contextmanager
+    def _inside_loss_parallel(self, context: ContextManager) -> Any:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with context, loss_parallel():
+            self._loss_parallel_open = True
+            try:
+                yield
+            finally:
+                self._loss_parallel_open = False
 
     def explain_failure(self, error: BaseException) -> Optional[str]:
         """Also: a loss computed under ``loss_parallel()`` whose backward ran outside it (the module's
         own ``with loss_parallel():`` in ``train_step``) names ``uses_loss_parallel``."""
         if "got mixed torch.Tensor and DTensor" in str(error):
             return (
-                f"a loss on vocabulary-sharded logits had its backward outside loss_parallel() under {self.name}: "
-                f"set {LOSS_PARALLEL_ATTRIBUTE} = True on the module (a class attribute) and remove your own "
-                "`with loss_parallel():` from train_step/val_step; the strategy keeps loss_parallel() open around "
-                "each micro-batch's forward and backward and around evaluation (as torchtitan's train context), "
-                "and a nested one of yours would close it before the backward. PyTorch said: "
-                + str(error).strip().splitlines()[0][:300]
+                f"a loss on vocabulary-sharded logits ran outside loss_parallel() under {self.name} (a val_step's "
+                "forward, or the backward after a train_step's own `with loss_parallel():`): "
+                f"set {LOSS_PARALLEL_ATTRIBUTE} = True on the module (a class attribute); the strategy then keeps "
+                "loss_parallel() open around each micro-batch's forward and backward and around evaluation (as "
+                "torchtitan's train context), and your own `with loss_parallel():` in train_step/val_step may stay "
+                "or go. PyTorch said: " + str(error).strip().splitlines()[0][:300]
             )
         return super().explain_failure(error)
 

@@ -192,7 +192,7 @@ def check_handed_sections(specs: Mapping[str, Mapping[str, Any]]) -> List[str]:
         >>> check_handed_sections({"lr_scheduler": {"class_path": "torch.optim.lr_scheduler.StepLR"}})[0][:60]
         "the 'lr_scheduler' section is handed to the model section's "
     """
-    handed = [name for name in HANDED_TO_MODEL if name in specs]
+    handed = [name for name in HANDED_TO_MODEL if name in specs and not (name == DATA_SECTION and data_goes_to_trainer(specs))]
     if not handed:
         return []
     if "model" not in specs:
@@ -212,6 +212,43 @@ def check_handed_sections(specs: Mapping[str, Mapping[str, Any]]) -> List[str]:
         for name in handed
         if name not in parameters and not takes_any
     ]
+
+
+def data_goes_to_trainer(specs: Mapping[str, Mapping[str, Any]]) -> bool:
+    """True when the ``data`` section names a :class:`~framework.DataModule` subclass and the ``model``
+    section's class (if any) takes no ``data`` argument: the trainer then gets it as ``datamodule=``,
+    as LightningCLI hands its ``data`` section to ``trainer.fit(datamodule=)``.
+
+    Example:
+        >>> data_goes_to_trainer({"data": {"class_path": "framework.DataModule"}})
+        True
+    """
+    from framework.data.data_module import DataModule
+
+    try:
+        cls = import_class(specs[DATA_SECTION].get("class_path")) if DATA_SECTION in specs else None
+        model = import_class(specs["model"].get("class_path")) if "model" in specs else None
+    except ValueError:  # reported by check_class_spec
+        return False
+    if not (isinstance(cls, type) and issubclass(cls, DataModule)):
+        return False
+    try:
+        return model is None or DATA_SECTION not in inspect.signature(model).parameters
+    except (TypeError, ValueError):
+        return True
+
+
+def config_data_module(args: Any) -> Any:
+    """The :class:`~framework.DataModule` the ``data`` section of the config ``args`` came from names,
+    built, when it goes to the trainer (see :func:`data_goes_to_trainer`); else None.
+
+    Example:
+        >>> from framework import TrainerArguments
+        >>> config_data_module(TrainerArguments()) is None
+        True
+    """
+    specs = getattr(getattr(args, "run_config", None), "class_specs", None) or {}
+    return build(specs[DATA_SECTION]) if data_goes_to_trainer(specs) else None
 
 
 _HANDED_AS = {
@@ -346,7 +383,8 @@ def _argument(value: Any) -> Any:
 def build_module(specs: Mapping[str, Mapping[str, Any]], section: str = "model") -> Any:
     """The module ``specs[section]`` describes, given ``optimizer=`` from an ``optimizer`` section,
     ``lr_scheduler=`` (a callable ``optimizer -> scheduler``) from an ``lr_scheduler`` section and
-    ``data=`` (built) from a ``data`` section when there are (the module must take those arguments).
+    ``data=`` (built) from a ``data`` section when there are (the module must take those arguments); a
+    ``data`` section naming a :class:`~framework.DataModule` goes to the trainer instead, unless the module takes ``data``.
 
     Raises:
         ValueError: no such section, or an optimizer section for a module that takes none.
@@ -364,6 +402,6 @@ def build_module(specs: Mapping[str, Mapping[str, Any]], section: str = "model")
         extra[OPTIMIZER_SECTION] = optimizer_factory(specs[OPTIMIZER_SECTION])
     if SCHEDULER_SECTION in specs:
         extra[SCHEDULER_SECTION] = scheduler_factory(specs[SCHEDULER_SECTION])
-    if DATA_SECTION in specs:
+    if DATA_SECTION in specs and not data_goes_to_trainer(specs):  # a DataModule goes to the trainer
         extra[DATA_SECTION] = build(specs[DATA_SECTION])
     return build(specs[section], **extra)

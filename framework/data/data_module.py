@@ -1,10 +1,10 @@
 """DataModule: a run's data apart from its model, as Lightning's ``LightningDataModule``.
 
-Given to the trainer (``Trainer(module, args, datamodule=data)``), it serves the loaders the
-module does not define itself: ``prepare_data()`` runs once, on rank zero, before any rank reads;
-``setup(stage)`` runs on every rank before the first loader of a stage; samplers and batch sizes
-still come from the framework, so its loader methods take ``sampler`` and ``batch_size`` as the
-module's ``get_*_dataloader`` methods do.
+Given to the trainer (``Trainer(module, args, datamodule=data)``, or named by the config's ``data:``
+section: ``framework/config/class_path.py``), it serves the loaders the module does not define itself:
+``prepare_data()`` runs once, on rank zero, before any rank reads; ``setup(stage)`` runs on every
+rank before the first loader of a stage; samplers and batch sizes still come from the framework, so
+its loader methods take ``sampler`` and ``batch_size`` as the module's ``get_*_dataloader`` methods do.
 """
 
 from typing import Any, Dict, Optional, Set

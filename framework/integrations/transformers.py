@@ -24,6 +24,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from framework.checkpoint.safetensors_io import ShardSize, parse_shard_size, save_safetensors
 from framework.evaluation.weights import CheckpointChoice, on_main_then_everywhere
+from framework.integrations.peft_export import (
+    ADAPTER_WEIGHTS,
+    adapter_files,
+    adapter_layers,
+    check_peft_export,
+    find_peft,
+    merged_model,
+    peft_base_model,
+)
 from framework.module import ModuleInterface
 
 logger = logging.getLogger("framework")
@@ -37,7 +46,7 @@ DEFAULT_SHARD_SIZE = "5GB"
 def pretrained_prefix(module: torch.nn.Module, attribute: Optional[str] = None) -> Tuple[str, torch.nn.Module]:
     """``(prefix, model)``: where the ``PreTrainedModel`` sits inside ``module``.
 
-    ``attribute`` names it (dotted, e.g. ``"model"``); None: ``module`` itself if it is a
+    ``attribute`` names it (dotted, e.g. ``"model"``; or the ``peft`` model holding it); None: ``module`` itself if it is a
     ``PreTrainedModel``, else its only ``PreTrainedModel`` that no other one contains.
 
     Raises:
@@ -57,6 +66,9 @@ def pretrained_prefix(module: torch.nn.Module, attribute: Optional[str] = None) 
             found = module.get_submodule(attribute) if attribute else module
         except AttributeError:
             found = getattr(module, attribute, None)
+        inner = peft_base_model(found)  # a peft model: the PreTrainedModel it adapts
+        if inner is not None:
+            return (attribute + "." if attribute else "") + inner[0], inner[1]
         if not isinstance(found, base):
             raise ValueError(f"attribute={attribute!r} is a {type(found).__name__}, not a transformers PreTrainedModel")
         return (attribute + "." if attribute else ""), found
@@ -80,6 +92,7 @@ def export_pretrained(
     attribute: Optional[str] = None,
     checkpoint: CheckpointChoice = None,
     max_shard_size: ShardSize = DEFAULT_SHARD_SIZE,
+    peft_layout: str = "merged",
 ) -> str:
     """Write the module's ``PreTrainedModel`` as ``save_pretrained`` does; return ``directory``.
 
@@ -88,8 +101,16 @@ def export_pretrained(
     ``save_pretrained`` writes them. ``checkpoint`` as in ``Trainer.validate`` (``"best"``,
     ``"last"``, a path, or None for the current weights). Collective: call it on every rank.
 
+    A ``peft`` model (LoRA...; the module's ``PeftModel`` holding the ``PreTrainedModel``) is written
+    in ``peft_layout``: ``"merged"`` (default) the base model with the adapter merged into its
+    weights, which ``from_pretrained(directory)`` loads; ``"adapters"`` PEFT's own files
+    (``adapter_config.json``, ``adapter_model.safetensors``), which ``PeftModel.from_pretrained(base,
+    directory)`` loads. Both from the gathered weights, so on every backend.
+
     Raises:
-        ValueError: no ``PreTrainedModel`` found (see :func:`pretrained_prefix`), or a bad ``max_shard_size``.
+        ValueError: no ``PreTrainedModel`` found (see :func:`pretrained_prefix`), a bad ``max_shard_size``
+            or ``peft_layout``, PEFT adapter layers outside a ``PeftModel``, several adapters, or
+            ``"merged"`` for a prompt-learning adapter; on every rank, before anything is gathered or written.
 
     Example:
         export_pretrained(trainer, "export/bert")   # then BertForSequenceClassification.from_pretrained("export/bert")
@@ -97,14 +118,33 @@ def export_pretrained(
     parse_shard_size(max_shard_size)
     prefix, found = pretrained_prefix(trainer.module, attribute)
     model: Any = found
+    peft = find_peft(trainer.module, prefix)
+    if peft is None and peft_layout != "merged":
+        raise ValueError(f"peft_layout={peft_layout!r}: {type(model).__name__} is no peft model; allowed: 'merged' (the default)")
+    if peft is None and adapter_layers(model):
+        raise ValueError(
+            f"export_pretrained(): {type(model).__name__} holds PEFT adapter layers ({adapter_layers(model)[0]}, ...) "
+            "outside a peft.PeftModel, whose keys from_pretrained would not load; wrap it with peft.get_peft_model"
+        )
+    adapter = check_peft_export(peft[1], peft_layout) if peft is not None else ""
     trainer.load_checkpoint_weights(checkpoint, "export_pretrained")
     state = trainer.backend.unsharded(trainer.module.state_dict())  # fsdp / model-parallel: gathered
-    own = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
-    tied = set(_tied_keys(model)) & set(own)
-    weights = {key: value for key, value in own.items() if key not in tied}
 
     def write() -> str:
         os.makedirs(directory, exist_ok=True)
+        if peft is not None and peft_layout == "adapters":
+            own = {key[len(peft[0]) :]: value for key, value in state.items() if key.startswith(peft[0])}
+            weights, config = adapter_files(peft[1], adapter, own)
+            save_safetensors(weights, os.path.join(directory, ADAPTER_WEIGHTS), None)
+            config.save_pretrained(directory)  # adapter_config.json
+            return directory
+        if peft is not None:  # the adapter merged into the base weights, in a copy
+            merged = merged_model(peft[1], adapter, {k[len(peft[0]) :]: v for k, v in state.items() if k.startswith(peft[0])})
+            own, tied = merged.state_dict(), set(_tied_keys(merged))
+        else:
+            own = {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
+            tied = set(_tied_keys(model)) & set(own)
+        weights = {key: value for key, value in own.items() if key not in tied}
         save_safetensors(weights, os.path.join(directory, WEIGHTS_NAME), max_shard_size)
         model.config.save_pretrained(directory)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
@@ -112,7 +152,7 @@ def export_pretrained(
         return directory
 
     result = on_main_then_everywhere(trainer.backend, write, f"export_pretrained to {directory!r}")
-    logger.info("export_pretrained: wrote %s (%d tensors, %d tied left out)", result, len(weights), len(tied))
+    logger.info("export_pretrained: wrote %s%s", result, f" (peft: {peft_layout})" if peft is not None else "")
     return result
 
 

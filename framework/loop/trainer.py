@@ -13,6 +13,7 @@ from framework import export
 from framework.callbacks.base import Callback, StopTraining
 from framework.checkpoint import AbstractCheckpointer
 from framework.config.arguments import TrainerArguments
+from framework.config.class_path import config_data_module
 from framework.config.cli import own_copy
 from framework.data.data_module import DataModule, attach_data_module
 from framework.data.rng import seed_everything
@@ -52,7 +53,7 @@ class Trainer:
         callbacks: called after the module's own hooks, in this order. A model summary and a
             progress bar are put first unless ``args.model_summary=False``/``args.disable_tqdm``
             or one of the kind is given.
-        datamodule: a :class:`~framework.DataModule` serving the loaders the module does not define.
+        datamodule: a :class:`~framework.DataModule` serving the loaders the module lacks (None: the config's ``data:``).
 
     Example:
         trainer = Trainer(module=MyModule(), args=TrainerArguments(epochs=3))
@@ -91,7 +92,7 @@ class Trainer:
         module.attach(self, self.collector)
         seed_everything(args.seed)
         try:  # rank and world size are known; nothing is built from the module yet
-            attach_data_module(module, datamodule, self.backend)  # prepare_data() on rank zero, every rank waiting
+            attach_data_module(module, config_data_module(args) if datamodule is None else datamodule, self.backend)
             checks.check_module_setup(module)
             module.setup()
         except BaseException:
@@ -343,13 +344,15 @@ class Trainer:
         attribute: Optional[str] = None,
         checkpoint: Optional[str] = None,
         max_shard_size: Union[int, str, None] = "5GB",
+        peft_layout: str = "merged",
     ) -> str:
-        """Write the module's ``transformers`` model as ``save_pretrained`` does (its own keys,
-        ``config.json``, HF's shard names), so ``from_pretrained(directory)`` loads it; return
-        ``directory``. Collective: call on every rank (see ``docs/from-transformers.md``)."""
+        """Write the module's ``transformers`` model as ``save_pretrained`` does (its own keys, ``config.json``,
+        HF's shard names), so ``from_pretrained(directory)`` loads it; return ``directory``. A peft model is
+        written merged, or with ``peft_layout="adapters"`` as PEFT's adapter files. Collective: call on every
+        rank (see ``docs/from-transformers.md``)."""
         from framework.integrations.transformers import export_pretrained
 
-        return export_pretrained(self, directory, attribute, checkpoint, max_shard_size)
+        return export_pretrained(self, directory, attribute, checkpoint, max_shard_size, peft_layout)
 
     def export(
         self, path: str, example_inputs: Tuple[Any, ...], format: str = "torch.export", checkpoint: Optional[str] = None

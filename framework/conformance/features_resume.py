@@ -129,7 +129,7 @@ def resume_signal(context: Context, model: str) -> Dict[str, Any]:
     }
 
 
-@register_feature("world_size_change", compare=("state",))
+@register_feature("world_size_change", compare=("state",), ranks=(1, 2))  # 1 -> 2 ranks: one handover directory
 def world_size_change(context: Context, model: str) -> Dict[str, Any]:
     """On 1 rank: stopped abruptly at step 5 (checkpoint at step 4); on 2 ranks: the same run
     (its output directory) resumed to the end. Both end with sp's uninterrupted weights."""

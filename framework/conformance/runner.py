@@ -191,10 +191,10 @@ def checked_world_sizes(backend: str, multi: bool, cells: Sequence[Cell], world_
         [1]
         >>> checked_world_sizes("ddp", True, [("automatic", "mlp")], [4])
         [4]
-        >>> checked_world_sizes("ddp", True, [("automatic", "mlp")], [3])
+        >>> checked_world_sizes("ddp", True, [("automatic", "mlp")], [3])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: --ranks 3: none of the 1 selected cell(s) runs at 3 ranks (the features run at 1, 2, 4 ranks); allowed here: 1, 2, 4
+        ValueError: --ranks 3: none of the 1 selected cell(s) runs at 3 ranks (the features run at 1, 2, 4 ranks); allowed here: 1, ...
     """
     if world_sizes is None:
         return [1, 2] if multi else [1]

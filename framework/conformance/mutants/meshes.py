@@ -23,7 +23,7 @@ class ShardGroupOnly(FSDP):
 
 
 class FirstRanksRepresent(ModelParallel):
-    """The ranks speaking for the data-parallel rows in gathers are the first ``data_parallel_size`` ranks, not each row's first."""
+    """The ranks speaking for the data-parallel rows in gathers are the first ``data_parallel_size``, not each row's first."""
 
     def data_parallel_representatives(self) -> List[int]:
         return list(range(self.data_parallel_size))  # fault: rank 1 is row 0's tensor-parallel peer, not row 1

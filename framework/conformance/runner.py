@@ -163,6 +163,7 @@ def conformance(
     if own_dtype:  # a precision unlike its reference's: its steps compute in the dtype it declares
         reference = with_dtype(reference, declared_dtype(backend) or "")
     rows: List[Row] = []
+
     def elsewhere(cell: Cell) -> bool:  # run on 1 rank although 1 was not asked: the handover, or no asked size runs it
         return cell[0] == "world_size_change" or not any(runs_at(*cell, size) for size in world_sizes)
 

@@ -1,7 +1,6 @@
 """Resume features of the conformance matrix: after an abrupt stop (the in-process stand-in for
 ``kill -9``), after SIGTERM and SIGUSR1, from a damaged checkpoint, and on another world size."""
 
-import contextlib
 import os
 import shutil
 from typing import Any, Dict, List, Optional, Tuple
@@ -9,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from framework.conformance.checks import (
     AbruptStop,
     Context,
+    SlowRankZeroWrites,
     StopAt,
     barrier,
     described,
@@ -31,19 +31,39 @@ def _uninterrupted(context: Context, model: str) -> Dict[str, Any]:
     return {"uninterrupted": full_state(trainer), "uninterrupted:history": observed_path(trainer, trajectory)["history"]}
 
 
+ENDED = {TrainingPreempted: "preempted", AbruptStop: "abrupt"}
+"""How a stopped run ended, by the exception ``train()`` raised (``"finished"``: it returned)."""
+
+
 def _stopped(
-    context: Context, model: str, name: str, how: str, step: int = 5, skew: int = 0, **overrides: Any
-) -> Tuple[str, List[List[str]]]:
-    """Train until ``how`` stops the run at ``step`` (``skew``: a step later on each next rank);
-    return the checkpoint directory and what it held after each save."""
+    context: Context,
+    model: str,
+    name: str,
+    how: str,
+    step: int = 5,
+    skew: int = 0,
+    others: Optional[str] = None,
+    slow: bool = False,
+    **overrides: Any,
+) -> Tuple[str, List[List[str]], str]:
+    """Train until ``how`` stops the run at ``step`` (``skew``: a step later on each next rank;
+    ``others``: what ranks but zero do instead); return the checkpoint directory, what it held after
+    each save, and how the run ended on this rank. ``slow``: rank zero's checkpoint writes are
+    delayed (:class:`SlowRankZeroWrites`) and the kit adds no barrier of its own before it looks at
+    the directory (and resumes): only the backend's agreement on the save stands between the ranks."""
     checkpoints = saving(context, name)
     trajectory = Trajectory(checkpoints.save_dir)
     args = make_args(context, name, checkpointer_args=checkpoints, **overrides)
-    with contextlib.suppress(TrainingPreempted, AbruptStop):
-        make_trainer(context, model, args, [StopAt(step, how, skew), trajectory]).train()
-    barrier()
+    writer = SlowRankZeroWrites(checkpoints) if slow else None
+    ended = "finished"
+    try:
+        make_trainer(context, model, args, [StopAt(step, how, skew, others), trajectory], writer).train()
+    except (TrainingPreempted, AbruptStop) as stop:
+        ended = ENDED[type(stop)]
+    if not slow:
+        barrier()
     trajectory.list_checkpoints()
-    return checkpoints.save_dir or "", trajectory.listings
+    return checkpoints.save_dir or "", trajectory.listings, ended
 
 
 def _resumed(context: Context, model: str, name: str, **overrides: Any) -> Dict[str, Any]:
@@ -56,16 +76,26 @@ def _resumed(context: Context, model: str, name: str, **overrides: Any) -> Dict[
 
 
 def _scenario(
-    context: Context, model: str, name: str, how: str, step: int = 5, damage: bool = False, skew: int = 0, **overrides: Any
+    context: Context,
+    model: str,
+    name: str,
+    how: str,
+    step: int = 5,
+    damage: bool = False,
+    skew: int = 0,
+    others: Optional[str] = None,
+    slow: bool = False,
+    **overrides: Any,
 ) -> Dict[str, Any]:
     """The resumed run's state and history (``name`` and ``name:history``), the step it started
-    from and what the checkpoint directory held after each save of both runs; or the error that
-    ended it (one scenario must not hide the others)."""
+    from, what the checkpoint directory held after each save of both runs and how the stopped run
+    ended (``name:ended``); or the error that ended it (one scenario must not hide the others)."""
     try:
-        save_dir, listings = _stopped(context, model, name, how, step, skew, **overrides)
+        save_dir, listings, ended = _stopped(context, model, name, how, step, skew, others, slow, **overrides)
         if damage and context.rank == 0:
             damage_latest_checkpoint(save_dir)
-        barrier()
+        if not slow:
+            barrier()
         resumed = _resumed(context, model, name, **overrides)
     except KeyboardInterrupt:
         raise
@@ -76,6 +106,7 @@ def _scenario(
         f"{name}:history": resumed["history"],
         f"{name}:started": resumed["started"],
         f"{name}:saved": [*listings, *resumed["saved"]],
+        f"{name}:ended": ended,
     }
 
 
@@ -106,26 +137,35 @@ def resume_kill9(context: Context, model: str) -> Dict[str, Any]:
 _SIGNALS = _resume_features("SIGTERM", "SIGUSR1")
 
 
+_SLOW = _resume_features("slow_io")
+
+
 @register_feature(
     "resume_signal",
     quick=True,
     compare=(),
-    resumed=(*_SIGNALS["resumed"], "skewed", "one_rank"),
-    exact=_SIGNALS["exact"],
+    resumed=(*_SIGNALS["resumed"], "skewed", "one_rank", "reasons", "reasons:history", *_SLOW["resumed"]),
+    exact=(*_SIGNALS["exact"], "reasons:ended", *_SLOW["exact"]),
 )
 def resume_signal(context: Context, model: str) -> Dict[str, Any]:
     """SIGTERM at step 5 and SIGUSR1 at step 3 (preemption: a checkpoint at that step), and SIGTERM
     a step apart on each rank (step 3 on rank 0, 4 on rank 1, no log point in between, where stop
     requests ride on the loss all-reduce: the ranks must agree on one stop step), each resumed to
     the end: equal to an uninterrupted run of the same backend, step by step; resumed from the
-    reference's step, with the reference's checkpoints on disk. And SIGTERM on rank 0 only (a
-    node-level preemption): every rank must adopt rank 0's reason and stop with it."""
+    reference's step, with the reference's checkpoints on disk. SIGTERM on rank 0 only (a
+    node-level preemption): every rank must adopt rank 0's reason and stop with it. Different
+    reasons per rank (``reasons``: SIGTERM on rank 0 while every other rank asks to stop, as an
+    ``EarlyStopping`` would): every rank must learn both and end preempted, as the reference does.
+    And SIGTERM at step 5 with rank zero's checkpoint writes delayed and no barrier of the kit's
+    (``slow_io``): no rank may leave the save (and look at the directory) before the file is in place."""
     return {
         **_uninterrupted(context, model),
         **_scenario(context, model, "SIGTERM", "SIGTERM", 5),
         **_scenario(context, model, "SIGUSR1", "SIGUSR1", 3),
         **_scenario(context, model, "skewed", "SIGTERM", 3, skew=1, log_every_n_steps=50),
         **_scenario(context, model, "one_rank", "SIGTERM", 3, skew=1000, log_every_n_steps=50),  # rank 1: never
+        **_scenario(context, model, "reasons", "SIGTERM", 3, others="request", log_every_n_steps=50),
+        **_scenario(context, model, "slow_io", "SIGTERM", 5, slow=True),
     }
 
 

@@ -7,6 +7,7 @@ makes comes with its mutant here.
 """
 
 from framework.conformance.mutants import (  # noqa: F401
+    agreement,
     collectives,
     data,
     layouts,

@@ -49,9 +49,10 @@ def _stopped(
     """Train until ``how`` stops the run at ``step`` (``skew``: a step later on each next rank;
     ``others``: what ranks but zero do instead); return the checkpoint directory, what it held after
     each save, and how the run ended on this rank. ``slow``: rank zero's checkpoint writes are
-    delayed (:class:`SlowRankZeroWrites`) and the kit adds no barrier of its own before it looks at
-    the directory (and resumes): only the backend's agreement on the save stands between the ranks."""
-    checkpoints = saving(context, name)
+    delayed (:class:`SlowRankZeroWrites`), the run saves at its end, and the kit adds no barrier of
+    its own before it looks at the directory: only the backend's agreement on the save stands
+    between the ranks."""
+    checkpoints = saving(context, name, save_at_end=slow)
     trajectory = Trajectory(checkpoints.save_dir)
     args = make_args(context, name, checkpointer_args=checkpoints, **overrides)
     writer = SlowRankZeroWrites(checkpoints) if slow else None
@@ -84,18 +85,16 @@ def _scenario(
     damage: bool = False,
     skew: int = 0,
     others: Optional[str] = None,
-    slow: bool = False,
     **overrides: Any,
 ) -> Dict[str, Any]:
     """The resumed run's state and history (``name`` and ``name:history``), the step it started
     from, what the checkpoint directory held after each save of both runs and how the stopped run
     ended (``name:ended``); or the error that ended it (one scenario must not hide the others)."""
     try:
-        save_dir, listings, ended = _stopped(context, model, name, how, step, skew, others, slow, **overrides)
+        save_dir, listings, ended = _stopped(context, model, name, how, step, skew, others, **overrides)
         if damage and context.rank == 0:
             damage_latest_checkpoint(save_dir)
-        if not slow:
-            barrier()
+        barrier()
         resumed = _resumed(context, model, name, **overrides)
     except KeyboardInterrupt:
         raise
@@ -137,15 +136,35 @@ def resume_kill9(context: Context, model: str) -> Dict[str, Any]:
 _SIGNALS = _resume_features("SIGTERM", "SIGUSR1")
 
 
-_SLOW = _resume_features("slow_io")
+def _ending(
+    context: Context,
+    model: str,
+    name: str,
+    how: str,
+    step: int,
+    others: Optional[str] = None,
+    slow: bool = False,
+    **overrides: Any,
+) -> Dict[str, Any]:
+    """A stopped run, not resumed: how it ended on this rank (``name:ended``) and what the checkpoint
+    directory held after each save (``name:saved``), the last listing taken as soon as ``train()``
+    returned; or the error that ended it. (A stop request is part of the checkpoint: a run resumed
+    from it stops again, so a scenario with one is judged by how it ended.)"""
+    try:
+        _, listings, ended = _stopped(context, model, name, how, step, 0, others, slow, **overrides)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # DCP raises BaseException
+        return {f"{name}:ended": described(error, 200)}
+    return {f"{name}:ended": ended, f"{name}:saved": listings}
 
 
 @register_feature(
     "resume_signal",
     quick=True,
     compare=(),
-    resumed=(*_SIGNALS["resumed"], "skewed", "one_rank", "reasons", "reasons:history", *_SLOW["resumed"]),
-    exact=(*_SIGNALS["exact"], "reasons:ended", *_SLOW["exact"]),
+    resumed=(*_SIGNALS["resumed"], "skewed", "one_rank"),
+    exact=(*_SIGNALS["exact"], "reasons:ended", "slow_io:ended", "slow_io:saved"),
 )
 def resume_signal(context: Context, model: str) -> Dict[str, Any]:
     """SIGTERM at step 5 and SIGUSR1 at step 3 (preemption: a checkpoint at that step), and SIGTERM
@@ -154,18 +173,19 @@ def resume_signal(context: Context, model: str) -> Dict[str, Any]:
     the end: equal to an uninterrupted run of the same backend, step by step; resumed from the
     reference's step, with the reference's checkpoints on disk. SIGTERM on rank 0 only (a
     node-level preemption): every rank must adopt rank 0's reason and stop with it. Different
-    reasons per rank (``reasons``: SIGTERM on rank 0 while every other rank asks to stop, as an
-    ``EarlyStopping`` would): every rank must learn both and end preempted, as the reference does.
-    And SIGTERM at step 5 with rank zero's checkpoint writes delayed and no barrier of the kit's
-    (``slow_io``): no rank may leave the save (and look at the directory) before the file is in place."""
+    reasons per rank (``reasons``: SIGTERM on rank 0 at step 3 while every other rank asks to stop,
+    as an ``EarlyStopping`` would): every rank must learn both and end preempted, as the reference
+    does. And a run that ends at step 5 (``max_steps``) with a final save whose write is delayed on
+    rank zero, looked at by every rank as soon as ``train()`` returns, with no barrier of the kit's
+    (``slow_io``): no rank may leave the save before the file is in place."""
     return {
         **_uninterrupted(context, model),
         **_scenario(context, model, "SIGTERM", "SIGTERM", 5),
         **_scenario(context, model, "SIGUSR1", "SIGUSR1", 3),
         **_scenario(context, model, "skewed", "SIGTERM", 3, skew=1, log_every_n_steps=50),
         **_scenario(context, model, "one_rank", "SIGTERM", 3, skew=1000, log_every_n_steps=50),  # rank 1: never
-        **_scenario(context, model, "reasons", "SIGTERM", 3, others="request", log_every_n_steps=50),
-        **_scenario(context, model, "slow_io", "SIGTERM", 5, slow=True),
+        **_ending(context, model, "reasons", "SIGTERM", 3, others="request", log_every_n_steps=50),
+        **_ending(context, model, "slow_io", "abrupt", 0, slow=True, max_steps=5),  # step 0: never stopped, ends at 5
     }
 
 

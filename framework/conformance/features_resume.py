@@ -112,11 +112,11 @@ def _scenario(
 def _resume_features(*scenarios: str) -> Dict[str, Any]:
     """The ``register_feature`` arguments of a resume feature over ``scenarios``: each one's state
     and history compared with the uninterrupted run's (bitwise), the step it started from and the
-    checkpoint directory's listings equal to the reference's."""
+    checkpoint directory's listings and how the stopped run ended (preempted, abrupt) equal to the reference's."""
     return {
         "compare": (),
         "resumed": tuple(f"{scenario}{part}" for scenario in scenarios for part in ("", ":history")),
-        "exact": tuple(f"{scenario}{part}" for scenario in scenarios for part in (":started", ":saved")),
+        "exact": tuple(f"{scenario}{part}" for scenario in scenarios for part in (":started", ":saved", ":ended")),
     }
 
 
@@ -164,7 +164,7 @@ def _ending(
     quick=True,
     compare=(),
     resumed=(*_SIGNALS["resumed"], "skewed", "one_rank"),
-    exact=(*_SIGNALS["exact"], "reasons:ended", "slow_io:ended", "slow_io:saved"),
+    exact=(*_SIGNALS["exact"], "skewed:ended", "one_rank:ended", "reasons:ended", "slow_io:ended", "slow_io:saved"),
 )
 def resume_signal(context: Context, model: str) -> Dict[str, Any]:
     """SIGTERM at step 5 and SIGUSR1 at step 3 (preemption: a checkpoint at that step), and SIGTERM

@@ -2,8 +2,6 @@
 a dp 2 x tp 2 mesh, each passing its cells against ``sp``; faults of those meshes that 2 ranks
 cannot reach are killed there and only there; ``--ranks`` runs exactly the sizes it names."""
 
-import os
-
 import pytest
 
 from framework.conformance import conformance, format_table
@@ -56,7 +54,7 @@ def test_a_fault_of_a_2d_mesh_is_killed_at_4_ranks_only(tmp_path):
     """Faults: HSDP that reduces over the shard group only (replica groups drift apart), and a
     model-parallel gather that takes the first ranks, not each row's first, as the rows' voices."""
     from framework.conformance.mutants import MUTANTS
-    from framework.conformance.mutation import format_mutants, run_mutants
+    from framework.conformance.mutation import MUTANTS_MODULE, format_mutants, run_mutants
 
     names = ["mutant-fsdp-hsdp-shard-group-only", "mutant-model-parallel-first-ranks-represent"]
     mutants, _ = run_mutants(names, workdir=str(tmp_path / "four"), controls=False)
@@ -64,6 +62,7 @@ def test_a_fault_of_a_2d_mesh_is_killed_at_4_ranks_only(tmp_path):
     assert [(verdict.killed, verdict.killer.ranks if verdict.killer else None) for verdict in mutants] == [(True, 4)] * 2, report
     for name in names:  # the same cells at 2 ranks: one replica group, one row; the fault cannot show
         cells = [(feature, model) for feature, model, _ in MUTANTS[name].kills]
-        rows = conformance(name, world_sizes=(2,), cells=cells, workdir=str(tmp_path / name), timeout=900.0)
+        rows = conformance(
+            name, imports=[MUTANTS_MODULE], world_sizes=(2,), cells=cells, workdir=str(tmp_path / name), timeout=900.0
+        )
         assert [row.result for row in rows] == ["PASS"], format_table(name, rows)
-    assert os.listdir(str(tmp_path))

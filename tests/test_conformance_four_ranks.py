@@ -27,6 +27,12 @@ def test_at_4_ranks_fsdp_runs_hsdp_2x2_and_model_parallel_a_2x2_mesh():
 
 def test_ranks_runs_exactly_the_sizes_named_or_refuses(capsys):
     from framework.conformance.__main__ import main
+    from framework.conformance.matrix import sized_cells
+
+    # batch norm computes per rank (compared at 1 rank only), compile runs at 1 and 2: neither at 4
+    asked = [("automatic", "mlp"), ("automatic", "batchnorm"), ("compile", "mlp"), ("evaluate_buffers", "batchnorm")]
+    assert sized_cells(asked, [4]) == [("automatic", "mlp"), ("evaluate_buffers", "batchnorm")]
+    assert sized_cells(asked, [1]) == asked[:3]
 
     # world_size_change runs at 1 and 2 ranks only: asked for 4, it is refused, not run at another size
     assert main(["fsdp", "--ranks", "4", "--features", "world_size_change", "--models", "mlp"]) == 2

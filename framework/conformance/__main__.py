@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from framework.conformance.matrix import Cell, all_cells, quick_cells, runs_at, targeted_cells
+from framework.conformance.matrix import Cell, all_cells, quick_cells, sized_cells, targeted_cells
 from framework.conformance.registry import FEATURES, MODELS
 from framework.conformance.runner import _renamed, conformance, format_table, import_plugin
 
@@ -68,8 +68,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error(f"--ranks {options.ranks}: allowed: comma-separated integers >= 1, e.g. 1,2 or 4")
     if sizes:  # exactly the sizes asked: a cell that runs at none of them is not run at another size instead
         chosen = cells if cells is not None else quick_cells() + targeted_cells(options.backend)
-        kept = [cell for cell in dict.fromkeys(chosen) if any(runs_at(*cell, size) for size in sizes)]
-        cells = kept or chosen  # none left: conformance refuses, naming the sizes the cells run at
+        cells = sized_cells(chosen, sizes) or chosen  # none left: conformance refuses, naming the sizes the cells run at
     try:
         rows = conformance(
             options.backend,

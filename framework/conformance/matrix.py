@@ -70,6 +70,17 @@ def runs_at(feature: str, model: str, world_size: int) -> bool:
     return world_size in spec.ranks and (world_size in MODELS[model].ranks or self_compared)
 
 
+def sized_cells(cells: Sequence[Cell], sizes: Sequence[int]) -> List[Cell]:
+    """The ``cells`` (each once, in order) that run at one of the world sizes ``sizes``: what
+    ``--ranks`` runs (never a cell at a size it did not name).
+
+    Example:
+        >>> sized_cells([("automatic", "mlp"), ("automatic", "batchnorm"), ("compile", "mlp")], [4])
+        [('automatic', 'mlp')]
+    """
+    return [cell for cell in dict.fromkeys(cells) if any(runs_at(*cell, size) for size in sizes)]
+
+
 def models_of(feature: str) -> List[str]:
     """The zoo models ``feature`` runs with (a targeted shape: only with its targets' features)."""
     wanted = FEATURES[feature].models

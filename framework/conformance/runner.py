@@ -278,12 +278,21 @@ def _renamed(names: Sequence[str]) -> List[str]:
     return [new for name in names for new in _OLD_CHECKS.get(name, [name])]
 
 
+def _layout(backend: str, ranks: int) -> str:
+    """The layout's words for the table's first line ("" for a backend no longer registered: a table
+    may be printed after a test unregistered its plugin)."""
+    try:
+        return describe_layout(backend, ranks)
+    except ValueError:
+        return ""
+
+
 def format_table(backend: str, rows: List[Row]) -> str:
     """The table as text: cell, ranks, result, figure, tolerance; then which cells failed."""
     header = ("cell", "ranks", "result", "figure", "tolerance")
     lines = [header] + [(row.check, str(row.ranks), row.result, row.figure[:160], row.tolerance) for row in rows]
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
-    layouts = [f"{ranks} ranks: {describe_layout(backend, ranks)}" for ranks in sorted({row.ranks for row in rows})]
+    layouts = [f"{ranks} ranks: {_layout(backend, ranks)}" for ranks in sorted({row.ranks for row in rows}) if ranks > 1]
     meshes = [layout for layout in layouts if not layout.endswith(": ")]
     text = [f"conformance of backend {backend!r}" + (f" ({'; '.join(meshes)})" if meshes else "")]
     for index, line in enumerate(lines):

@@ -89,7 +89,12 @@ SLOW_WRITE = 0.5
 class SlowRankZeroWrites(DefaultCheckpointer):
     """A checkpointer whose rank zero writes each checkpoint file :data:`SLOW_WRITE` seconds late (a
     slow filesystem: its ``serialize``, the documented override point, sleeps first): a rank that
-    leaves a save before rank zero's file is in place reads the checkpoint directory too early."""
+    leaves a save before rank zero's file is in place reads the checkpoint directory too early.
+
+    Example:
+        >>> SlowRankZeroWrites(DefaultCheckpointerArguments(save_dir="memory://slow-writes")).save_dir
+        'memory://slow-writes'
+    """
 
     def serialize(self, obj: Any, handle: IO[bytes]) -> None:
         if self.strategy.is_main_process and self.strategy.world_size > 1:

@@ -276,8 +276,8 @@ def test_a_declared_refusal_must_come_before_step_1(tmp_path, reference_cache):
 def test_ranks_the_kit_cannot_run_as_asked_are_refused_naming_the_size(capsys):
     from framework.conformance.__main__ import main
 
-    assert main(["ddp", "--ranks", "4", "--features", "automatic", "--models", "mlp"]) == 2
-    assert "--ranks 4: none of the 1 selected cell(s) runs at 4 ranks" in capsys.readouterr().err
+    assert main(["ddp", "--ranks", "3", "--features", "automatic", "--models", "mlp"]) == 2
+    assert "--ranks 3: none of the 1 selected cell(s) runs at 3 ranks" in capsys.readouterr().err
     assert main(["sp", "--ranks", "2", "--features", "automatic", "--models", "mlp"]) == 2
     assert "backend 'sp' is single-process; allowed: 1" in capsys.readouterr().err
     assert main(["sp", "--ranks", "0", "--features", "automatic", "--models", "mlp"]) == 2

@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from framework.conformance.matrix import Cell, all_cells, quick_cells
+from framework.conformance.matrix import Cell, all_cells, quick_cells, sized_cells, targeted_cells
 from framework.conformance.registry import FEATURES, MODELS
 from framework.conformance.runner import _renamed, conformance, format_table, import_plugin
 
@@ -45,8 +45,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument(
         "--ranks",
         default=None,
-        help="world sizes to run, e.g. 1,2 or 2 (default: 1,2 for a multi-process backend, 1 otherwise); "
-        "a size no selected cell runs at is refused",
+        help="world sizes to run, e.g. 1,2 or 2 or 4 (default: 1,2 for a multi-process backend, 1 otherwise; 4: the "
+        "slow tier, HSDP 2x2 under fsdp, dp 2 x tp 2 under model-parallel); only cells that run at a size named are "
+        "run (world_size_change also runs its 1-rank half); a size no selected cell runs at is refused",
     )
     parser.add_argument("--workdir", default=None, help="where runs write (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the multi-rank run may take")
@@ -64,7 +65,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         sizes = [int(size) for size in options.ranks.split(",")] if options.ranks else None
     except ValueError:
-        parser.error(f"--ranks {options.ranks}: allowed: comma-separated integers >= 1, e.g. 1,2")
+        parser.error(f"--ranks {options.ranks}: allowed: comma-separated integers >= 1, e.g. 1,2 or 4")
+    if sizes:  # exactly the sizes asked: a cell that runs at none of them is not run at another size instead
+        chosen = cells if cells is not None else quick_cells() + targeted_cells(options.backend)
+        cells = sized_cells(chosen, sizes) or chosen  # none left: conformance refuses, naming the sizes the cells run at
     try:
         rows = conformance(
             options.backend,

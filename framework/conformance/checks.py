@@ -11,16 +11,18 @@ import contextlib
 import functools
 import os
 import signal
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
+from typing import IO, Any, Callable, ContextManager, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from backends import build_backend
 from framework.callbacks import Callback
-from framework.checkpoint import DefaultCheckpointerArguments
+from framework.checkpoint import AbstractCheckpointer, DefaultCheckpointer, DefaultCheckpointerArguments
 from framework.config.arguments import TrainerArguments
+from framework.conformance.layouts import layout_options
 from framework.conformance.matrix import Cell
 from framework.conformance.registry import FEATURES, build_model
 from framework.data.rng import seed_everything
@@ -60,18 +62,44 @@ class AbruptStop(BaseException):
 
 class StopAt(Callback):
     """At optimizer step ``step`` (``step + skew * rank`` on rank ``rank``: signals arriving a step
-    apart, as a launcher's reach each rank): send ``how`` (a signal name) to this process, or end
-    the run abruptly (``how="abrupt"``)."""
+    apart, as a launcher's reach each rank): send ``how`` (a signal name) to this process, end the
+    run abruptly (``how="abrupt"``), or ask the trainer to stop (``how="request"``:
+    ``trainer.should_stop``, as ``EarlyStopping`` does). ``others``: what ranks other than zero do
+    instead (different stop reasons per rank)."""
 
-    def __init__(self, step: int, how: str, skew: int = 0) -> None:
-        self.step, self.how, self.skew = step, how, skew
+    def __init__(self, step: int, how: str, skew: int = 0, others: Optional[str] = None) -> None:
+        self.step, self.how, self.skew, self.others = step, how, skew, others
 
     def on_end_optimizer_step(self, global_step: int) -> None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if global_step == self.step + self.skew * rank:
-            if self.how == "abrupt":
+            how = self.others if rank and self.others else self.how
+            if how == "abrupt":
                 raise AbruptStop(f"stopped abruptly at step {global_step}")
-            os.kill(os.getpid(), getattr(signal, self.how))
+            if how == "request":
+                self.trainer.should_stop = True
+                return
+            os.kill(os.getpid(), getattr(signal, how))
+
+
+SLOW_WRITE = 0.5
+"""Seconds rank zero's checkpoint writes are delayed by :class:`SlowRankZeroWrites`."""
+
+
+class SlowRankZeroWrites(DefaultCheckpointer):
+    """A checkpointer whose rank zero writes each checkpoint file :data:`SLOW_WRITE` seconds late (a
+    slow filesystem: its ``serialize``, the documented override point, sleeps first): a rank that
+    leaves a save before rank zero's file is in place reads the checkpoint directory too early.
+
+    Example:
+        >>> SlowRankZeroWrites(DefaultCheckpointerArguments(save_dir="memory://slow-writes")).save_dir
+        'memory://slow-writes'
+    """
+
+    def serialize(self, obj: Any, handle: IO[bytes]) -> None:
+        if self.strategy.is_main_process and self.strategy.world_size > 1:
+            time.sleep(SLOW_WRITE)
+        super().serialize(obj, handle)
 
 
 class _CountSteps(Callback):
@@ -89,7 +117,8 @@ def run_dir(context: Context, name: str) -> str:
 
 
 def make_args(context: Context, name: str, **overrides: Any) -> TrainerArguments:
-    """The kit's run arguments (seed :data:`KIT_SEED`): 2 epochs of global batch 16 over 64 samples, quiet, no checkpoints."""
+    """The kit's run arguments (seed :data:`KIT_SEED`): 2 epochs of global batch 16 over 64 samples, quiet, no
+    checkpoints; the mesh the backend runs in at this world size (see :mod:`framework.conformance.layouts`)."""
     values: Dict[str, Any] = dict(
         backend=context.backend,
         epochs=2,
@@ -108,15 +137,23 @@ def make_args(context: Context, name: str, **overrides: Any) -> TrainerArguments
         # strategy that never synchronises the per-rank buffers the kit starts from.
         sanity_val_steps=0,
     )
+    values.update(layout_options(context.backend, context.world_size))  # at 4 ranks: HSDP 2x2, dp 2 x tp 2
     values.update(overrides)
     return TrainerArguments(**values)
 
 
-def make_trainer(context: Context, model: str, args: TrainerArguments, callbacks: Sequence[Any] = (), **options: Any) -> Trainer:
+def make_trainer(
+    context: Context,
+    model: str,
+    args: TrainerArguments,
+    callbacks: Sequence[Any] = (),
+    checkpointer: Optional[AbstractCheckpointer] = None,
+    **options: Any,
+) -> Trainer:
     """The zoo model ``model`` built after seeding by rank (ranks start from different weights
-    and generators, as a real program's do), then its trainer."""
+    and generators, as a real program's do), then its trainer (``checkpointer``: None, the default one)."""
     seed_everything(args.seed + RANK_SEED_STRIDE * context.rank)
-    return Trainer(build_model(model, **options), args, callbacks=[*callbacks, _CountSteps()])
+    return Trainer(build_model(model, **options), args, callbacks=[*callbacks, _CountSteps()], checkpointer=checkpointer)
 
 
 def saving(context: Context, name: str, **overrides: Any) -> DefaultCheckpointerArguments:

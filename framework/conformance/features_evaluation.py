@@ -134,7 +134,7 @@ def swa(context: Context, model: str) -> Dict[str, Any]:
     return {"state": full_state(trainer), "averaged": _averaged(trainer, average)}
 
 
-@register_feature("evaluate_buffers", compare=(), resumed=("last@memory",), models=("batchnorm",), ranks=(2,), quick=True)
+@register_feature("evaluate_buffers", compare=(), resumed=("last@memory",), models=("batchnorm",), ranks=(2, 4), quick=True)
 def evaluate_buffers(context: Context, model: str) -> Dict[str, Any]:
     """Batch norm on 2 ranks (each rank's own running statistics after training): validating from
     memory gives the metrics validating from the "last" checkpoint (rank zero's statistics) gives."""

@@ -1,7 +1,6 @@
 """Resume features of the conformance matrix: after an abrupt stop (the in-process stand-in for
 ``kill -9``), after SIGTERM and SIGUSR1, from a damaged checkpoint, and on another world size."""
 
-import contextlib
 import os
 import shutil
 from typing import Any, Dict, List, Optional, Tuple
@@ -9,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from framework.conformance.checks import (
     AbruptStop,
     Context,
+    SlowRankZeroWrites,
     StopAt,
     barrier,
     described,
@@ -31,19 +31,40 @@ def _uninterrupted(context: Context, model: str) -> Dict[str, Any]:
     return {"uninterrupted": full_state(trainer), "uninterrupted:history": observed_path(trainer, trajectory)["history"]}
 
 
+ENDED = {TrainingPreempted: "preempted", AbruptStop: "abrupt"}
+"""How a stopped run ended, by the exception ``train()`` raised (``"finished"``: it returned)."""
+
+
 def _stopped(
-    context: Context, model: str, name: str, how: str, step: int = 5, skew: int = 0, **overrides: Any
-) -> Tuple[str, List[List[str]]]:
-    """Train until ``how`` stops the run at ``step`` (``skew``: a step later on each next rank);
-    return the checkpoint directory and what it held after each save."""
-    checkpoints = saving(context, name)
+    context: Context,
+    model: str,
+    name: str,
+    how: str,
+    step: int = 5,
+    skew: int = 0,
+    others: Optional[str] = None,
+    slow: bool = False,
+    **overrides: Any,
+) -> Tuple[str, List[List[str]], str]:
+    """Train until ``how`` stops the run at ``step`` (``skew``: a step later on each next rank;
+    ``others``: what ranks but zero do instead); return the checkpoint directory, what it held after
+    each save, and how the run ended on this rank. ``slow``: rank zero's checkpoint writes are
+    delayed (:class:`SlowRankZeroWrites`), the run saves at its end, and the kit adds no barrier of
+    its own before it looks at the directory: only the backend's agreement on the save stands
+    between the ranks."""
+    checkpoints = saving(context, name, save_at_end=slow)
     trajectory = Trajectory(checkpoints.save_dir)
     args = make_args(context, name, checkpointer_args=checkpoints, **overrides)
-    with contextlib.suppress(TrainingPreempted, AbruptStop):
-        make_trainer(context, model, args, [StopAt(step, how, skew), trajectory]).train()
-    barrier()
+    writer = SlowRankZeroWrites(checkpoints) if slow else None
+    ended = "finished"
+    try:
+        make_trainer(context, model, args, [StopAt(step, how, skew, others), trajectory], writer).train()
+    except (TrainingPreempted, AbruptStop) as stop:
+        ended = ENDED[type(stop)]
+    if not slow:
+        barrier()
     trajectory.list_checkpoints()
-    return checkpoints.save_dir or "", trajectory.listings
+    return checkpoints.save_dir or "", trajectory.listings, ended
 
 
 def _resumed(context: Context, model: str, name: str, **overrides: Any) -> Dict[str, Any]:
@@ -56,13 +77,21 @@ def _resumed(context: Context, model: str, name: str, **overrides: Any) -> Dict[
 
 
 def _scenario(
-    context: Context, model: str, name: str, how: str, step: int = 5, damage: bool = False, skew: int = 0, **overrides: Any
+    context: Context,
+    model: str,
+    name: str,
+    how: str,
+    step: int = 5,
+    damage: bool = False,
+    skew: int = 0,
+    others: Optional[str] = None,
+    **overrides: Any,
 ) -> Dict[str, Any]:
     """The resumed run's state and history (``name`` and ``name:history``), the step it started
-    from and what the checkpoint directory held after each save of both runs; or the error that
-    ended it (one scenario must not hide the others)."""
+    from, what the checkpoint directory held after each save of both runs and how the stopped run
+    ended (``name:ended``); or the error that ended it (one scenario must not hide the others)."""
     try:
-        save_dir, listings = _stopped(context, model, name, how, step, skew, **overrides)
+        save_dir, listings, ended = _stopped(context, model, name, how, step, skew, others, **overrides)
         if damage and context.rank == 0:
             damage_latest_checkpoint(save_dir)
         barrier()
@@ -76,17 +105,18 @@ def _scenario(
         f"{name}:history": resumed["history"],
         f"{name}:started": resumed["started"],
         f"{name}:saved": [*listings, *resumed["saved"]],
+        f"{name}:ended": ended,
     }
 
 
 def _resume_features(*scenarios: str) -> Dict[str, Any]:
     """The ``register_feature`` arguments of a resume feature over ``scenarios``: each one's state
     and history compared with the uninterrupted run's (bitwise), the step it started from and the
-    checkpoint directory's listings equal to the reference's."""
+    checkpoint directory's listings and how the stopped run ended (preempted, abrupt) equal to the reference's."""
     return {
         "compare": (),
         "resumed": tuple(f"{scenario}{part}" for scenario in scenarios for part in ("", ":history")),
-        "exact": tuple(f"{scenario}{part}" for scenario in scenarios for part in (":started", ":saved")),
+        "exact": tuple(f"{scenario}{part}" for scenario in scenarios for part in (":started", ":saved", ":ended")),
     }
 
 
@@ -106,30 +136,60 @@ def resume_kill9(context: Context, model: str) -> Dict[str, Any]:
 _SIGNALS = _resume_features("SIGTERM", "SIGUSR1")
 
 
+def _ending(
+    context: Context,
+    model: str,
+    name: str,
+    how: str,
+    step: int,
+    others: Optional[str] = None,
+    slow: bool = False,
+    **overrides: Any,
+) -> Dict[str, Any]:
+    """A stopped run, not resumed: how it ended on this rank (``name:ended``) and what the checkpoint
+    directory held after each save (``name:saved``), the last listing taken as soon as ``train()``
+    returned; or the error that ended it. (A stop request is part of the checkpoint: a run resumed
+    from it stops again, so a scenario with one is judged by how it ended.)"""
+    try:
+        _, listings, ended = _stopped(context, model, name, how, step, 0, others, slow, **overrides)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # DCP raises BaseException
+        return {f"{name}:ended": described(error, 200)}
+    return {f"{name}:ended": ended, f"{name}:saved": listings}
+
+
 @register_feature(
     "resume_signal",
     quick=True,
     compare=(),
     resumed=(*_SIGNALS["resumed"], "skewed", "one_rank"),
-    exact=_SIGNALS["exact"],
+    exact=(*_SIGNALS["exact"], "skewed:ended", "one_rank:ended", "reasons:ended", "slow_io:ended", "slow_io:saved"),
 )
 def resume_signal(context: Context, model: str) -> Dict[str, Any]:
     """SIGTERM at step 5 and SIGUSR1 at step 3 (preemption: a checkpoint at that step), and SIGTERM
     a step apart on each rank (step 3 on rank 0, 4 on rank 1, no log point in between, where stop
     requests ride on the loss all-reduce: the ranks must agree on one stop step), each resumed to
     the end: equal to an uninterrupted run of the same backend, step by step; resumed from the
-    reference's step, with the reference's checkpoints on disk. And SIGTERM on rank 0 only (a
-    node-level preemption): every rank must adopt rank 0's reason and stop with it."""
+    reference's step, with the reference's checkpoints on disk. SIGTERM on rank 0 only (a
+    node-level preemption): every rank must adopt rank 0's reason and stop with it. Different
+    reasons per rank (``reasons``: SIGTERM on rank 0 at step 3 while every other rank asks to stop,
+    as an ``EarlyStopping`` would): every rank must learn both and end preempted, as the reference
+    does. And a run that ends at step 5 (``max_steps``) with a final save whose write is delayed on
+    rank zero, looked at by every rank as soon as ``train()`` returns, with no barrier of the kit's
+    (``slow_io``): no rank may leave the save before the file is in place."""
     return {
         **_uninterrupted(context, model),
         **_scenario(context, model, "SIGTERM", "SIGTERM", 5),
         **_scenario(context, model, "SIGUSR1", "SIGUSR1", 3),
         **_scenario(context, model, "skewed", "SIGTERM", 3, skew=1, log_every_n_steps=50),
         **_scenario(context, model, "one_rank", "SIGTERM", 3, skew=1000, log_every_n_steps=50),  # rank 1: never
+        **_ending(context, model, "reasons", "SIGTERM", 3, others="request", log_every_n_steps=50),
+        **_ending(context, model, "slow_io", "abrupt", 0, slow=True, max_steps=5),  # step 0: never stopped, ends at 5
     }
 
 
-@register_feature("world_size_change", compare=("state",))
+@register_feature("world_size_change", compare=("state",), ranks=(1, 2))  # 1 -> 2 ranks: one handover directory
 def world_size_change(context: Context, model: str) -> Dict[str, Any]:
     """On 1 rank: stopped abruptly at step 5 (checkpoint at step 4); on 2 ranks: the same run
     (its output directory) resumed to the end. Both end with sp's uninterrupted weights."""

@@ -86,7 +86,7 @@ def activation_checkpointing(context: Context, model: str) -> Dict[str, Any]:
     return _trained(context, model, "checkpointing", gpu_batch_size_limit=4, activation_checkpointing=True)
 
 
-@register_feature("compile", models=("mlp", "buffers"), every_backend=False)
+@register_feature("compile", models=("mlp", "buffers"), every_backend=False, ranks=(1, 2))  # inductor: seconds per rank
 def compiled(context: Context, model: str) -> Dict[str, Any]:
     """compile=True (torch.compile of each unit): the same weights as sp compiled."""
     return _trained(context, model, "compile", compile=True, epochs=1)

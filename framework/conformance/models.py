@@ -97,7 +97,7 @@ class KitNet(ModuleInterface):
 
     expected_units = 2
     """How many blocks the model has: each should be a sharding (and compile, checkpointing) unit."""
-    ranks: Tuple[int, ...] = (1, 2)
+    ranks: Tuple[int, ...] = (1, 2, 4)
     """World sizes on which this shape trains as ``sp`` does (a shape that computes per rank, such
     as batch norm's batch statistics, is compared on 1 rank only)."""
     unused_parameters = False

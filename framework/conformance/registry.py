@@ -37,7 +37,9 @@ class Feature:
         resumed: keys compared with this backend's own ``"uninterrupted"`` run (resume tolerance).
         models: the zoo models it runs with (None: every registered one).
         quick: in the default (quick) subset of ``python -m framework.conformance``.
-        ranks: world sizes it runs on (``(2,)``: only where ranks can differ; ``(1, 2)``: both).
+        ranks: world sizes it runs on (``(2, 4)``: only where ranks can differ; ``(1, 2, 4)``: every
+            size the kit runs; 4 ranks is the slow tier, where HSDP and model-parallel run 2x2 meshes:
+            see :mod:`framework.conformance.layouts`).
         description: one line for the docs' table.
         every_backend: the suite's covering design pairs it with every backend (False for a
             feature that costs seconds per process, such as ``compile``: it is paired with each
@@ -51,7 +53,7 @@ class Feature:
     resumed: Tuple[str, ...] = ()
     models: Optional[Tuple[str, ...]] = None
     quick: bool = False
-    ranks: Tuple[int, ...] = (1, 2)
+    ranks: Tuple[int, ...] = (1, 2, 4)
     description: str = ""
     every_backend: bool = True
 
@@ -81,7 +83,7 @@ def register_feature(
     resumed: Tuple[str, ...] = (),
     models: Optional[Tuple[str, ...]] = None,
     quick: bool = False,
-    ranks: Tuple[int, ...] = (1, 2),
+    ranks: Tuple[int, ...] = (1, 2, 4),
     every_backend: bool = True,
 ) -> Callable[[F], F]:
     """Register ``run(context, model) -> observations`` as the feature ``name`` (a decorator).

@@ -13,6 +13,7 @@ from backends import SingleProcess, TrainerBackend, available_backends, build_ba
 from backends.registry import _registry
 from framework.conformance.checks import Cell, Context, cell_key, run_cells
 from framework.conformance.compare import Row, judge
+from framework.conformance.layouts import describe_layout
 from framework.conformance.matrix import known_seam, quick_cells, runs_at, targeted_cells
 from framework.conformance.ranks import import_plugin, run_ranks
 from framework.conformance.references import SCALED_REFERENCE
@@ -162,13 +163,17 @@ def conformance(
     if own_dtype:  # a precision unlike its reference's: its steps compute in the dtype it declares
         reference = with_dtype(reference, declared_dtype(backend) or "")
     rows: List[Row] = []
-    needs_one = any(cell[0] == "world_size_change" or not runs_at(*cell, max(world_sizes)) for cell in cells)
+
+    def elsewhere(cell: Cell) -> bool:  # run on 1 rank although 1 was not asked: the handover, or no asked size runs it
+        return cell[0] == "world_size_change" or not any(runs_at(*cell, size) for size in world_sizes)
+
+    needs_one = any(elsewhere(cell) for cell in cells)
     for world_size in sorted(set(world_sizes) | ({1} if multi and needs_one else set())):
         sized = [cell for cell in cells if runs_at(*cell, world_size)]
         if world_size > 1 and not multi:
             continue  # a single-process strategy refuses multi-process launches
         if world_size == 1 and 1 not in world_sizes:  # only what the larger world sizes cannot run
-            sized = [cell for cell in sized if cell[0] == "world_size_change" or not runs_at(*cell, max(world_sizes))]
+            sized = [cell for cell in sized if elsewhere(cell)]
         context = Context(backend, os.path.join(workdir, f"ranks{world_size}"), shared=workdir, declared=declared)
         if world_size == 1:
             ranks = [reference] if backend == reference_name else [run_cells(context, sized)]
@@ -186,9 +191,11 @@ def checked_world_sizes(backend: str, multi: bool, cells: Sequence[Cell], world_
         >>> checked_world_sizes("sp", False, [("automatic", "mlp")], None)
         [1]
         >>> checked_world_sizes("ddp", True, [("automatic", "mlp")], [4])
+        [4]
+        >>> checked_world_sizes("ddp", True, [("automatic", "mlp")], [3])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: --ranks 4: none of the 1 selected cell(s) runs at 4 ranks (the features run at 1, 2 ranks); allowed here: 1, 2
+        ValueError: --ranks 3: none of the 1 selected cell(s) runs at 3 ranks (the features run at 1, 2, 4 ranks); ...
     """
     if world_sizes is None:
         return [1, 2] if multi else [1]
@@ -271,12 +278,23 @@ def _renamed(names: Sequence[str]) -> List[str]:
     return [new for name in names for new in _OLD_CHECKS.get(name, [name])]
 
 
+def _layout(backend: str, ranks: int) -> str:
+    """The layout's words for the table's first line ("" for a backend no longer registered: a table
+    may be printed after a test unregistered its plugin)."""
+    try:
+        return describe_layout(backend, ranks)
+    except ValueError:
+        return ""
+
+
 def format_table(backend: str, rows: List[Row]) -> str:
     """The table as text: cell, ranks, result, figure, tolerance; then which cells failed."""
     header = ("cell", "ranks", "result", "figure", "tolerance")
     lines = [header] + [(row.check, str(row.ranks), row.result, row.figure[:160], row.tolerance) for row in rows]
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
-    text = [f"conformance of backend {backend!r}"]
+    layouts = [f"{ranks} ranks: {_layout(backend, ranks)}" for ranks in sorted({row.ranks for row in rows}) if ranks > 1]
+    meshes = [layout for layout in layouts if not layout.endswith(": ")]
+    text = [f"conformance of backend {backend!r}" + (f" ({'; '.join(meshes)})" if meshes else "")]
     for index, line in enumerate(lines):
         text.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
         if index == 0:

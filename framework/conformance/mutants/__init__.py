@@ -6,7 +6,17 @@ kill it (``--all``: the whole quick set) and reports the mutation score. A new p
 makes comes with its mutant here.
 """
 
-from framework.conformance.mutants import collectives, data, layouts, precision, probes, sharded, trajectory  # noqa: F401
+from framework.conformance.mutants import (  # noqa: F401
+    agreement,
+    collectives,
+    data,
+    layouts,
+    meshes,
+    precision,
+    probes,
+    sharded,
+    trajectory,
+)
 from framework.conformance.mutants.library import MUTANTS, Kill, Mutant, register_mutant
 from framework.conformance.mutants.precision import ScaledAmp
 

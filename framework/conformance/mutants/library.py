@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
 
 from backends import register_backend
+from framework.conformance.layouts import LAYOUT_SIZES
 
 Kill = Tuple[str, str, int]
 """(feature, model, ranks): a cell, and the world size it must fail at."""
@@ -52,10 +53,13 @@ def register_mutant(
     and the ``kills`` cells (feature, model, ranks) that must fail on it.
 
     Raises:
-        ValueError: ``kills`` is empty or names a world size other than 1 or 2.
+        ValueError: ``kills`` is empty or names a world size other than 1, 2 or 4.
     """
-    if not kills or any(ranks not in (1, 2) for _, _, ranks in kills):
-        raise ValueError(f"mutant {name!r}: kills={kills!r} is invalid; allowed: (feature, model, 1 or 2) cells, at least one")
+    if not kills or any(ranks not in LAYOUT_SIZES for _, _, ranks in kills):
+        raise ValueError(
+            f"mutant {name!r}: kills={kills!r} is invalid; allowed: (feature, model, ranks) cells with ranks one of "
+            f"{', '.join(map(str, LAYOUT_SIZES))}, at least one"
+        )
     register_backend(name, factory, override=True)
     mutant = Mutant(name, fault, tuple(kills), kind, control)
     MUTANTS[name] = mutant

@@ -43,18 +43,19 @@ ALL_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZe
 CONTRACT = ("pipeline_parallel_size", "pipeline_schedule")
 
 
-def trainer_contract_missing() -> List[str]:
-    """The pipeline fields of issue 52 that this checkout's ``TrainerArguments`` lacks ([] once it has them)."""
-    sys.path[:0] = [ROOT]
-    from framework import TrainerArguments
-
-    names = {field.name for field in dataclasses.fields(TrainerArguments)}
+def trainer_contract_missing(arguments: Optional[type] = None) -> List[str]:
+    """The pipeline fields of issue 52 that ``arguments`` (default: this checkout's ``TrainerArguments``)
+    lacks ([] once it has them)."""
+    if arguments is None:
+        sys.path[:0] = [ROOT]
+        from framework import TrainerArguments as arguments
+    names = {field.name for field in dataclasses.fields(arguments)}
     return [name for name in CONTRACT if name not in names]
 
 
-def check_trainer_contract() -> None:
+def check_trainer_contract(arguments: Optional[type] = None) -> None:
     """Refuse ``--trainer`` at once, naming what is missing, where the framework has no pipeline yet."""
-    missing = trainer_contract_missing()
+    missing = trainer_contract_missing(arguments)
     if missing:
         raise SystemExit(
             f"--trainer times the Trainer's pipeline, but this checkout's TrainerArguments has no {missing} (the "

@@ -8,22 +8,25 @@ sequences of 64 tokens, batches of 16, AdamW. Each process count is one ``torchr
 
 - ratio: the framework's path (``PipelineRunner``: the stage cut by ``default_stages`` / ``keep_stage``,
   each micro-batch's loss divided by their number) against the hand-written loop (the stage cut by hand,
-  torch's schedule class with its own gradient scaling), alternating, ``--rounds`` times, for GPipe and
-  1F1B at ``--micro-batches``; a run's figure is the slowest rank's median step (schedule + AdamW) after
-  a warm-up step; the ratio is of the medians over rounds. With ``--trainer`` the framework's side is
-  ``Trainer`` (``backend="fsdp"``, ``pipeline_parallel_size``, ``pipeline_schedule``, the micro-batch from
-  ``gpu_batch_size_limit``), which needs the pipeline contract of issue 52 in ``TrainerArguments``.
+  torch's schedule class with its own gradient scaling), both built side by side and taking steps in
+  turn (which goes first alternates), for GPipe and 1F1B at ``--micro-batches``; a round's figure per
+  runner is the slowest rank's median step (schedule + AdamW) over ``--steps`` steps after a warm-up
+  step; ``--rounds`` rounds build both afresh; the ratio is of the medians over rounds. With ``--trainer``
+  the framework's side is ``Trainer`` (``backend="fsdp"``, ``pipeline_parallel_size``, ``pipeline_schedule``, the micro-batch from
+  ``gpu_batch_size_limit``; whole runs alternate, as the Trainer owns its loop), which needs the
+  pipeline contract of issue 52 in ``TrainerArguments``.
 - bubble and memory: for each schedule (GPipe, 1F1B, and the interleaved and V ones, which the framework
   refuses: measured with the hand-written loop) and 2, 4, 8 micro-batches, ``1 - compute / wall`` of the
   schedule's step averaged over ranks (compute: the stages' forward/backward methods and the loss, timed
   per call; see ``pipeline_runs.py``) beside the textbook ``(p - 1) / (v m + p - 1)``, and each rank's
   peak bytes of activations held for backward.
 
-    python benchmarks/pipeline.py [--nproc 2 4] [--rounds 3] [--steps 4] [--micro-batches 4] [--trainer]
+    python benchmarks/pipeline.py [--nproc 2 4] [--rounds 3] [--steps 8] [--micro-batches 4] [--trainer]
     python benchmarks/pipeline.py --nproc 2 --schedules GPipe 1F1B --micro-batch-counts 4   # a quicker look
 
-On a CPU the processes share cores: with more processes than cores the waiting ranks lend theirs to the
-computing ones, so the bubble measured there is a lower bound of the one on dedicated devices.
+On a CPU the processes share cores: with more processes than free cores each rank's compute is slowed by
+the others' and a waiting rank lends its core, so CPU bubbles are not those of dedicated devices: compare
+schedules within one table, and read the textbook column beside them.
 """
 
 import argparse
@@ -146,7 +149,13 @@ def child(options: argparse.Namespace) -> None:
 
     import torch
     import torch.distributed as dist
-    from pipeline_runs import framework_run, hand_written_run, stages_per_rank
+    from pipeline_runs import (
+        alternating,
+        hand_written_run,
+        prepare_framework,
+        prepare_hand_written,
+        stages_per_rank,
+    )
 
     torch.set_num_threads(1)
     cuda = options.device == "cuda"
@@ -158,25 +167,33 @@ def child(options: argparse.Namespace) -> None:
     for schedule in RATIO_SCHEDULES:
         rounds: Dict[str, List[float]] = {"framework": [], "raw": []}
         for round_ in range(options.rounds):
-            order = ["framework", "raw"] if round_ % 2 == 0 else ["raw", "framework"]
-            for runner in order:
-                if runner == "raw":
-                    figure = hand_written_run(work, schedule, options.micro_batches, device, group)["step"]
-                elif options.trainer:
-                    figure = trainer_run(options.steps, schedule, options.micro_batches, ranks, device)["step"]
-                else:
-                    figure = framework_run(work, schedule, options.micro_batches, device, group)["step"]
-                rounds[runner].append(figure)
+            if options.trainer:  # the Trainer owns its loop: whole runs alternate
+                for runner in ["framework", "raw"] if round_ % 2 == 0 else ["raw", "framework"]:
+                    if runner == "raw":
+                        figure = hand_written_run(work, schedule, options.micro_batches, device, group)["step"]
+                    else:
+                        figure = trainer_run(options.steps, schedule, options.micro_batches, ranks, device)["step"]
+                    rounds[runner].append(figure)
+                continue
+            runs = {
+                "framework": prepare_framework(work, schedule, options.micro_batches, device, group),
+                "raw": prepare_hand_written(work, schedule, options.micro_batches, device, group),
+            }
+            for runner, summary in alternating(runs, work, options.steps, group).items():
+                rounds[runner].append(summary["step"])
         results["ratio"][schedule] = rounds
     for schedule in options.schedules:
         for micro_batches in options.micro_batch_counts:
             row: Dict[str, Any] = {"schedule": schedule, "micro_batches": micro_batches}
             try:
-                row["raw"] = hand_written_run(work, schedule, micro_batches, device, group)
+                runs = {"raw": prepare_hand_written(work, schedule, micro_batches, device, group)}
             except ValueError as refusal:  # torch's own checks, the same on every rank
                 row["raw"] = {"refused": str(refusal).split("\n")[0]}
-            if stages_per_rank(schedule) == 1 and "refused" not in row["raw"]:
-                row["framework"] = framework_run(work, schedule, micro_batches, device, group)
+                results["table"].append(row)
+                continue
+            if stages_per_rank(schedule) == 1:
+                runs["framework"] = prepare_framework(work, schedule, micro_batches, device, group)
+            row.update(alternating(runs, work, options.steps, group))
             results["table"].append(row)
     rank = dist.get_rank()
     dist.destroy_process_group()
@@ -232,7 +249,7 @@ def report(results: Dict[str, Any], options: argparse.Namespace) -> str:
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="process counts, one torchrun job each")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per run, after one warm-up step")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run, after one warm-up step")
     parser.add_argument("--rounds", type=int, default=3, help="framework / hand-written alternations for the ratio")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches of the ratio runs")
     parser.add_argument("--micro-batch-counts", type=int, nargs="+", default=[2, 4, 8], help="of the bubble table")

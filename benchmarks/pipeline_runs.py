@@ -206,7 +206,64 @@ def timed_loss(loss: Callable[[Any, Any], torch.Tensor], clock: List[float]) -> 
     return run
 
 
-def framework_run(workload: Workload, schedule: str, micro_batches: int, device: torch.device, group: Any) -> Dict[str, Any]:
+class PreparedRun:
+    """One runner, built: its ``step(inputs, target)``, the modules it trains, its clocks and its AdamW; ``run``
+    times one step (schedule + optimizer), ``summary`` gathers every rank's figures of the timed steps."""
+
+    def __init__(
+        self,
+        step: Callable[[Tuple[torch.Tensor, ...], torch.Tensor], None],
+        parts: Sequence[torch.nn.Module],
+        stages: Sequence[Any],
+        loss_clock: List[float],
+        device: torch.device,
+    ) -> None:
+        self.step, self.device, self.loss_clock = step, device, loss_clock
+        self.parameters = [p for part in parts for p in part.parameters()]
+        self.clock = StageClock(stages, device)
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-3)
+        self.steps: List[float] = []
+        self.walls: List[float] = []
+        self.computes: List[float] = []
+        self.peaks: List[int] = []
+
+    def run(self, batch: Batch, timed: bool) -> None:
+        inputs, target = tuple(t.to(self.device) for t in batch[0]), batch[1].to(self.device)
+        self.clock.seconds, self.loss_clock[0] = 0.0, 0.0
+        synchronize(self.device)
+        started = time.perf_counter()
+        with ActivationMeter(self.parameters, self.device) as meter:
+            self.step(inputs, target)
+        synchronize(self.device)
+        scheduled = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        synchronize(self.device)
+        if timed:
+            self.steps.append(time.perf_counter() - started)
+            self.walls.append(scheduled - started)
+            self.computes.append(self.clock.seconds + self.loss_clock[0])
+            self.peaks.append(meter.peak)
+
+    def summary(self, group: Any) -> Dict[str, Any]:
+        mine = {
+            "step": statistics.median(self.steps),
+            "bubble": 1 - sum(self.computes) / sum(self.walls),
+            "activations": max(self.peaks),
+            "compute": statistics.median(self.computes),
+        }
+        everyone: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        return {
+            "step": max(rank["step"] for rank in everyone),  # the slowest rank's median
+            "bubble": statistics.mean(rank["bubble"] for rank in everyone),
+            "bubble_per_rank": [rank["bubble"] for rank in everyone],
+            "activations_per_rank": [rank["activations"] for rank in everyone],
+            "compute_per_rank": [rank["compute"] for rank in everyone],
+        }
+
+
+def prepare_framework(workload: Workload, schedule: str, micro_batches: int, device: torch.device, group: Any) -> PreparedRun:
     """The framework's path: ``default_stages`` / ``keep_stage`` cut this rank's stage, ``PipelineRunner`` runs it."""
     from backends.strategies.pipeline_schedule import PipelineRunner
     from backends.strategies.pipeline_stages import default_stages, keep_stage
@@ -217,15 +274,14 @@ def framework_run(workload: Workload, schedule: str, micro_batches: int, device:
     stage.to(device)
     loss_clock = [0.0]
     runner = PipelineRunner(stage, rank, ranks, device, group, schedule, micro_batches, timed_loss(workload.loss, loss_clock))
-    clock = StageClock([runner.schedule._stage], device)
 
     def step(inputs: Tuple[torch.Tensor, ...], target: torch.Tensor) -> None:
         runner.step(inputs, target)
 
-    return _timed_steps(workload, step, [stage], clock, loss_clock, device, group)
+    return PreparedRun(step, [stage], [runner.schedule._stage], loss_clock, device)
 
 
-def hand_written_run(workload: Workload, schedule: str, micro_batches: int, device: torch.device, group: Any) -> Dict[str, Any]:
+def prepare_hand_written(workload: Workload, schedule: str, micro_batches: int, device: torch.device, group: Any) -> PreparedRun:
     """torch's recipe written out: this rank's stages cut by hand, ``PipelineStage`` each, the schedule class
     by name with the loss and torch's own gradient scaling (``scale_grads=True``: the same gradients as
     dividing each micro-batch's loss by their number)."""
@@ -240,10 +296,7 @@ def hand_written_run(workload: Workload, schedule: str, micro_batches: int, devi
     stages = [PipelineStage(part, index, total, device, group=group) for part, index in zip(parts, stage_ids)]
     loss_clock = [0.0]
     loss = timed_loss(workload.loss, loss_clock)
-    runner_class = get_schedule_class(schedule)
-    single = len(stages) == 1
-    runner = runner_class(stages[0] if single else stages, n_microbatches=micro_batches, loss_fn=loss)
-    clock = StageClock(stages, device)
+    runner = get_schedule_class(schedule)(stages[0] if len(stages) == 1 else stages, n_microbatches=micro_batches, loss_fn=loss)
     first, last = 0 in stage_ids, total - 1 in stage_ids
 
     def step(inputs: Tuple[torch.Tensor, ...], target: torch.Tensor) -> None:
@@ -253,50 +306,27 @@ def hand_written_run(workload: Workload, schedule: str, micro_batches: int, devi
         else:
             runner.step(*arguments, return_outputs=False)
 
-    return _timed_steps(workload, step, parts, clock, loss_clock, device, group)
+    return PreparedRun(step, parts, stages, loss_clock, device)
 
 
-def _timed_steps(
-    workload: Workload,
-    step: Callable[[Tuple[torch.Tensor, ...], torch.Tensor], None],
-    parts: Sequence[torch.nn.Module],
-    clock: StageClock,
-    loss_clock: List[float],
-    device: torch.device,
-    group: Any,
-) -> Dict[str, Any]:
-    parameters = [p for part in parts for p in part.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=1e-3)
-    steps, walls, computes, peaks = [], [], [], []
-    for index, (inputs, target) in enumerate(workload.batches):
-        inputs, target = tuple(t.to(device) for t in inputs), target.to(device)
-        clock.seconds, loss_clock[0] = 0.0, 0.0
-        synchronize(device)
-        started = time.perf_counter()
-        with ActivationMeter(parameters, device) as meter:
-            step(inputs, target)
-        synchronize(device)
-        scheduled = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        if index >= workload.warmup:
-            steps.append(time.perf_counter() - started)
-            walls.append(scheduled - started)
-            computes.append(clock.seconds + loss_clock[0])
-            peaks.append(meter.peak)
-    mine = {
-        "step": statistics.median(steps),
-        "bubble": 1 - sum(computes) / sum(walls),
-        "activations": max(peaks),
-        "compute": statistics.median(computes),
-    }
-    everyone: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return {
-        "step": max(rank["step"] for rank in everyone),  # the slowest rank's median
-        "bubble": statistics.mean(rank["bubble"] for rank in everyone),
-        "bubble_per_rank": [rank["bubble"] for rank in everyone],
-        "activations_per_rank": [rank["activations"] for rank in everyone],
-        "compute_per_rank": [rank["compute"] for rank in everyone],
-    }
+def alternating(runs: Dict[str, PreparedRun], workload: Workload, steps: int, group: Any) -> Dict[str, Dict[str, Any]]:
+    """Every run takes one step in turn (which goes first alternates), ``workload.warmup`` untimed steps then
+    ``steps`` timed ones on the workload's batches in a cycle: each sees the same load on a shared machine."""
+    names = list(runs)
+    for index in range(workload.warmup + steps):
+        batch = workload.batches[index % len(workload.batches)]
+        for name in names if index % 2 == 0 else names[::-1]:
+            runs[name].run(batch, timed=index >= workload.warmup)
+    return {name: run.summary(group) for name, run in runs.items()}
+
+
+def framework_run(workload: Workload, schedule: str, micro_batches: int, device: torch.device, group: Any) -> Dict[str, Any]:
+    """:func:`prepare_framework`'s run alone over the workload's batches."""
+    run = prepare_framework(workload, schedule, micro_batches, device, group)
+    return alternating({"framework": run}, workload, len(workload.batches) - workload.warmup, group)["framework"]
+
+
+def hand_written_run(workload: Workload, schedule: str, micro_batches: int, device: torch.device, group: Any) -> Dict[str, Any]:
+    """:func:`prepare_hand_written`'s run alone over the workload's batches."""
+    run = prepare_hand_written(workload, schedule, micro_batches, device, group)
+    return alternating({"raw": run}, workload, len(workload.batches) - workload.warmup, group)["raw"]

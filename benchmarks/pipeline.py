@@ -165,7 +165,7 @@ def child(options: argparse.Namespace) -> None:
     work = workload(options.steps)
     results: Dict[str, Any] = {"ranks": ranks, "ratio": {}, "table": []}
     for schedule in RATIO_SCHEDULES:
-        rounds: Dict[str, List[float]] = {"framework": [], "raw": []}
+        rounds: Dict[str, List[float]] = {"framework": [], "raw": [], "framework_cpu": [], "raw_cpu": []}
         for round_ in range(options.rounds):
             if options.trainer:  # the Trainer owns its loop: whole runs alternate
                 for runner in ["framework", "raw"] if round_ % 2 == 0 else ["raw", "framework"]:
@@ -181,6 +181,7 @@ def child(options: argparse.Namespace) -> None:
             }
             for runner, summary in alternating(runs, work, options.steps, group).items():
                 rounds[runner].append(summary["step"])
+                rounds[f"{runner}_cpu"].append(summary["cpu"])
         results["ratio"][schedule] = rounds
     for schedule in options.schedules:
         for micro_batches in options.micro_batch_counts:
@@ -221,13 +222,17 @@ def report(results: Dict[str, Any], options: argparse.Namespace) -> str:
     ranks, side = results["ranks"], "Trainer (fsdp + pipeline)" if options.trainer else "PipelineRunner"
     lines = [f"{ranks} processes ({ranks} stages), {options.device}, {options.micro_batches} micro-batches of {BATCH} sequences:"]
     lines += [
-        f"| schedule | framework ({side}) ms | hand-written ms | ratio | per-round ratios |",
-        "| --- | --- | --- | --- | --- |",
+        f"| schedule | framework ({side}) ms | hand-written ms | ratio | per-round ratios | CPU s per step (all ranks): ratio |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for schedule, rounds in results["ratio"].items():
         framework, raw = statistics.median(rounds["framework"]), statistics.median(rounds["raw"])
         per_round = ", ".join(f"{f / r:.3f}" for f, r in zip(rounds["framework"], rounds["raw"]))
-        lines.append(f"| {schedule} | {framework * 1e3:.1f} | {raw * 1e3:.1f} | {framework / raw:.3f} | {per_round} |")
+        cpu = "-"
+        if rounds.get("framework_cpu"):
+            framework_cpu, raw_cpu = statistics.median(rounds["framework_cpu"]), statistics.median(rounds["raw_cpu"])
+            cpu = f"{framework_cpu:.3f} / {raw_cpu:.3f} = {framework_cpu / raw_cpu:.3f}"
+        lines.append(f"| {schedule} | {framework * 1e3:.1f} | {raw * 1e3:.1f} | {framework / raw:.3f} | {per_round} | {cpu} |")
     lines += [
         "",
         "| schedule | micro-batches | bubble (hand-written) | textbook | bubble (framework) | activations held per rank, MiB |",
@@ -284,7 +289,10 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs seen; model {MODEL}, batch {BATCH}, {options.steps} timed steps")
     for nproc in options.nproc:
-        print(report(launch(options, nproc), options) + "\n", flush=True)
+        before = os.getloadavg()[0]
+        results = launch(options, nproc)
+        print(f"load average (1 min) before / after: {before:.1f} / {os.getloadavg()[0]:.1f}")
+        print(report(results, options) + "\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ Measurement:
   and ``backward_weight_one_chunk`` (torch's schedules call these for every action that computes; the
   receives are waited for outside them) plus the loss; the instance's methods are wrapped, torch is not
   changed;
+- CPU time: the seconds of CPU a step costs, summed over the ranks' processes (``time.process_time``, all
+  their threads): the work done, which a loaded machine's preemptions do not stretch as they do wall time;
 - bubble: ``1 - compute / wall`` of the schedule's ``step`` on each rank: the time a rank waits for its
   neighbours or for communication;
 - activations: on CPU the bytes of the tensors autograd saves for backward (parameters excluded, a
@@ -226,12 +228,13 @@ class PreparedRun:
         self.walls: List[float] = []
         self.computes: List[float] = []
         self.peaks: List[int] = []
+        self.cpu: List[float] = []
 
     def run(self, batch: Batch, timed: bool) -> None:
         inputs, target = tuple(t.to(self.device) for t in batch[0]), batch[1].to(self.device)
         self.clock.seconds, self.loss_clock[0] = 0.0, 0.0
         synchronize(self.device)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         with ActivationMeter(self.parameters, self.device) as meter:
             self.step(inputs, target)
         synchronize(self.device)
@@ -240,6 +243,7 @@ class PreparedRun:
         self.optimizer.zero_grad(set_to_none=True)
         synchronize(self.device)
         if timed:
+            self.cpu.append(time.process_time() - cpu_started)
             self.steps.append(time.perf_counter() - started)
             self.walls.append(scheduled - started)
             self.computes.append(self.clock.seconds + self.loss_clock[0])
@@ -251,6 +255,7 @@ class PreparedRun:
             "bubble": 1 - sum(self.computes) / sum(self.walls),
             "activations": max(self.peaks),
             "compute": statistics.median(self.computes),
+            "cpu": statistics.median(self.cpu),
         }
         everyone: List[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
@@ -260,6 +265,7 @@ class PreparedRun:
             "bubble_per_rank": [rank["bubble"] for rank in everyone],
             "activations_per_rank": [rank["activations"] for rank in everyone],
             "compute_per_rank": [rank["compute"] for rank in everyone],
+            "cpu": sum(rank["cpu"] for rank in everyone),  # CPU seconds of a step, all ranks' processes
         }
 
 

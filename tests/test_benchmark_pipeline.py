@@ -174,8 +174,9 @@ def test_help_runs_and_bad_options_are_refused_naming_them():
     reason="the Trainer's pipeline (issue 52, pipecore) is not in this checkout: --trainer is refused",
 )
 def test_the_trainer_flag_times_the_trainers_pipeline_against_the_hand_written_loop():
-    """Fault: ``--trainer`` written against names the Trainer does not take (it fails only once the contract
-    exists; until then this is a strict expected failure, an XPASS the day pipecore lands: delete the mark)."""
+    """Fault: ``--trainer`` written against names the Trainer does not take. While the contract is missing this
+    is a strict expected failure (refused naming it); once ``TrainerArguments`` has it the condition is false
+    and the test runs as any other (it passes against the pipecore branch). Then drop the mark."""
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "pipeline.py"), "--trainer", "--nproc", "2"]
     command += ["--steps", "1", "--rounds", "1", "--schedules", "1F1B", "--micro-batch-counts", "4"]
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))

@@ -106,15 +106,17 @@ def trainer_run(steps: int, schedule: str, micro_batches: int, ranks: int, devic
     class StepClock(Callback):
         def __init__(self) -> None:
             self.times: List[float] = []
-            self.last = 0.0
+            self.cpu: List[float] = []
+            self.last, self.last_cpu = 0.0, 0.0
 
         def on_begin_train(self, global_step: int) -> None:
-            self.last = time.perf_counter()
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
         def on_end_optimizer_step(self, global_step: int) -> None:
-            now = time.perf_counter()
+            now, now_cpu = time.perf_counter(), time.process_time()
             self.times.append(now - self.last)
-            self.last = now
+            self.cpu.append(now_cpu - self.last_cpu)
+            self.last, self.last_cpu = now, now_cpu
 
     example, clock = _example(), StepClock()
     torch.manual_seed(0)
@@ -141,7 +143,9 @@ def trainer_run(steps: int, schedule: str, micro_batches: int, ranks: int, devic
         Trainer(module, args, callbacks=[clock]).train()
     median = torch.tensor(statistics.median(clock.times[1:] or clock.times))
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
-    return {"step": float(median)}
+    cpu = torch.tensor(statistics.median(clock.cpu[1:] or clock.cpu))
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    return {"step": float(median), "cpu": float(cpu)}
 
 
 def child(options: argparse.Namespace) -> None:
@@ -170,10 +174,11 @@ def child(options: argparse.Namespace) -> None:
             if options.trainer:  # the Trainer owns its loop: whole runs alternate
                 for runner in ["framework", "raw"] if round_ % 2 == 0 else ["raw", "framework"]:
                     if runner == "raw":
-                        figure = hand_written_run(work, schedule, options.micro_batches, device, group)["step"]
+                        figure = hand_written_run(work, schedule, options.micro_batches, device, group)
                     else:
-                        figure = trainer_run(options.steps, schedule, options.micro_batches, ranks, device)["step"]
-                    rounds[runner].append(figure)
+                        figure = trainer_run(options.steps, schedule, options.micro_batches, ranks, device)
+                    rounds[runner].append(figure["step"])
+                    rounds[f"{runner}_cpu"].append(figure["cpu"])
                 continue
             runs = {
                 "framework": prepare_framework(work, schedule, options.micro_batches, device, group),

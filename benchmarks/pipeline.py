@@ -10,11 +10,12 @@ sequences of 64 tokens, batches of 16, AdamW. Each process count is one ``torchr
   each micro-batch's loss divided by their number) against the hand-written loop (the stage cut by hand,
   torch's schedule class with its own gradient scaling), both built side by side and taking steps in
   turn (which goes first alternates), for GPipe and 1F1B at ``--micro-batches``; a round's figure per
-  runner is the slowest rank's median step (schedule + AdamW) over ``--steps`` steps after a warm-up
-  step; ``--rounds`` rounds build both afresh; the ratio is of the medians over rounds. With ``--trainer``
-  the framework's side is ``Trainer`` (``backend="fsdp"``, ``pipeline_parallel_size``, ``pipeline_schedule``, the micro-batch from
-  ``gpu_batch_size_limit``; whole runs alternate, as the Trainer owns its loop), which needs the
-  pipeline contract of issue 52 in ``TrainerArguments``.
+  runner is the slowest rank's median step (schedule + AdamW, timed alone: no compute clock, no
+  activation meter) over ``--steps`` steps after a warm-up step, and the CPU seconds of a step summed over
+  the ranks; ``--rounds`` rounds build both afresh; the ratio is of the medians over rounds. With
+  ``--trainer`` the framework's side is ``Trainer`` (``backend="fsdp"``, ``pipeline_parallel_size``,
+  ``pipeline_schedule``, the micro-batch from ``gpu_batch_size_limit``; whole runs alternate, as the
+  Trainer owns its loop), which needs the pipeline contract of issue 52 in ``TrainerArguments``.
 - bubble and memory: for each schedule (GPipe, 1F1B, and the interleaved and V ones, which the framework
   refuses: measured with the hand-written loop) and 2, 4, 8 micro-batches, ``1 - compute / wall`` of the
   schedule's step averaged over ranks (compute: the stages' forward/backward methods and the loss, timed
@@ -167,6 +168,7 @@ def child(options: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     group, ranks = dist.group.WORLD, dist.get_world_size()
     work = workload(options.steps)
+    timing = dataclasses.replace(work, measure=False)  # the ratio: steps timed alone, no meters' hooks
     results: Dict[str, Any] = {"ranks": ranks, "ratio": {}, "table": []}
     for schedule in RATIO_SCHEDULES:
         rounds: Dict[str, List[float]] = {"framework": [], "raw": [], "framework_cpu": [], "raw_cpu": []}
@@ -174,17 +176,17 @@ def child(options: argparse.Namespace) -> None:
             if options.trainer:  # the Trainer owns its loop: whole runs alternate
                 for runner in ["framework", "raw"] if round_ % 2 == 0 else ["raw", "framework"]:
                     if runner == "raw":
-                        figure = hand_written_run(work, schedule, options.micro_batches, device, group)
+                        figure = hand_written_run(timing, schedule, options.micro_batches, device, group)
                     else:
                         figure = trainer_run(options.steps, schedule, options.micro_batches, ranks, device)
                     rounds[runner].append(figure["step"])
                     rounds[f"{runner}_cpu"].append(figure["cpu"])
                 continue
             runs = {
-                "framework": prepare_framework(work, schedule, options.micro_batches, device, group),
-                "raw": prepare_hand_written(work, schedule, options.micro_batches, device, group),
+                "framework": prepare_framework(timing, schedule, options.micro_batches, device, group),
+                "raw": prepare_hand_written(timing, schedule, options.micro_batches, device, group),
             }
-            for runner, summary in alternating(runs, work, options.steps, group).items():
+            for runner, summary in alternating(runs, timing, options.steps, group).items():
                 rounds[runner].append(summary["step"])
                 rounds[f"{runner}_cpu"].append(summary["cpu"])
         results["ratio"][schedule] = rounds
@@ -263,7 +265,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="framework / hand-written alternations for the ratio")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches of the ratio runs")
     parser.add_argument("--micro-batch-counts", type=int, nargs="+", default=[2, 4, 8], help="of the bubble table")
-    parser.add_argument("--schedules", nargs="+", default=ALL_SCHEDULES, help="of the bubble table")
+    parser.add_argument("--schedules", nargs="*", default=ALL_SCHEDULES, help="of the bubble table (none: no table)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--trainer", action="store_true", help="time Trainer (issue 52's contract), not PipelineRunner")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

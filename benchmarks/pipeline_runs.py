@@ -19,6 +19,7 @@ Measurement:
   (``torch.autograd.graph.saved_tensors_hooks``); on CUDA ``max_memory_allocated`` above the step's start.
 """
 
+import contextlib
 import copy
 import dataclasses
 import statistics
@@ -43,6 +44,9 @@ class Workload:
     loss: Callable[[Any, Any], torch.Tensor]
     batches: List[Batch]
     warmup: int = 1
+    measure: bool = True
+    """False: time the steps only, without the compute clock and the activation meter (their Python hooks cost
+    CPU time), as the ratio runs and the Trainer (which has neither) are timed."""
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -219,10 +223,12 @@ class PreparedRun:
         stages: Sequence[Any],
         loss_clock: List[float],
         device: torch.device,
+        measure: bool = True,
     ) -> None:
         self.step, self.device, self.loss_clock = step, device, loss_clock
         self.parameters = [p for part in parts for p in part.parameters()]
-        self.clock = StageClock(stages, device)
+        self.measure = measure
+        self.clock = StageClock(stages if measure else [], device)
         self.optimizer = torch.optim.AdamW(self.parameters, lr=1e-3)
         self.steps: List[float] = []
         self.walls: List[float] = []
@@ -235,7 +241,8 @@ class PreparedRun:
         self.clock.seconds, self.loss_clock[0] = 0.0, 0.0
         synchronize(self.device)
         started, cpu_started = time.perf_counter(), time.process_time()
-        with ActivationMeter(self.parameters, self.device) as meter:
+        meter = ActivationMeter(self.parameters, self.device)
+        with meter if self.measure else contextlib.nullcontext():
             self.step(inputs, target)
         synchronize(self.device)
         scheduled = time.perf_counter()
@@ -279,12 +286,13 @@ def prepare_framework(workload: Workload, schedule: str, micro_batches: int, dev
     keep_stage(stage, default_stages(stage, ranks)[rank])
     stage.to(device)
     loss_clock = [0.0]
-    runner = PipelineRunner(stage, rank, ranks, device, group, schedule, micro_batches, timed_loss(workload.loss, loss_clock))
+    loss = timed_loss(workload.loss, loss_clock) if workload.measure else workload.loss
+    runner = PipelineRunner(stage, rank, ranks, device, group, schedule, micro_batches, loss)
 
     def step(inputs: Tuple[torch.Tensor, ...], target: torch.Tensor) -> None:
         runner.step(inputs, target)
 
-    return PreparedRun(step, [stage], [runner.schedule._stage], loss_clock, device)
+    return PreparedRun(step, [stage], [runner.schedule._stage], loss_clock, device, workload.measure)
 
 
 def prepare_hand_written(workload: Workload, schedule: str, micro_batches: int, device: torch.device, group: Any) -> PreparedRun:
@@ -301,7 +309,7 @@ def prepare_hand_written(workload: Workload, schedule: str, micro_batches: int, 
     parts = [hand_written_stage(model, workload.blocks, index, total).to(device) for index in stage_ids]
     stages = [PipelineStage(part, index, total, device, group=group) for part, index in zip(parts, stage_ids)]
     loss_clock = [0.0]
-    loss = timed_loss(workload.loss, loss_clock)
+    loss = timed_loss(workload.loss, loss_clock) if workload.measure else workload.loss
     runner = get_schedule_class(schedule)(stages[0] if len(stages) == 1 else stages, n_microbatches=micro_batches, loss_fn=loss)
     first, last = 0 in stage_ids, total - 1 in stage_ids
 
@@ -312,7 +320,7 @@ def prepare_hand_written(workload: Workload, schedule: str, micro_batches: int, 
         else:
             runner.step(*arguments, return_outputs=False)
 
-    return PreparedRun(step, parts, stages, loss_clock, device)
+    return PreparedRun(step, parts, stages, loss_clock, device, workload.measure)
 
 
 def alternating(runs: Dict[str, PreparedRun], workload: Workload, steps: int, group: Any) -> Dict[str, Dict[str, Any]]:

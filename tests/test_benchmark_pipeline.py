@@ -183,3 +183,11 @@ def test_the_trainer_flag_times_the_trainers_pipeline_against_the_hand_written_l
     finished = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=environment, timeout=900)
     assert finished.returncode == 0, finished.stdout[-2000:] + finished.stderr[-3000:]
     assert "framework (Trainer (fsdp + pipeline)) ms" in finished.stdout
+
+
+def test_gpu_py_runs_the_pipeline_rows_unless_told_not_to():
+    """Fault: the GPU tier's pipeline case unreachable from the one GPU command (mutant: ``--pipeline``
+    defaulting to ``off``)."""
+    import gpu
+
+    assert gpu.parse_arguments([]).pipeline == "on" and gpu.parse_arguments(["--pipeline", "off"]).pipeline == "off"

@@ -3,7 +3,7 @@ device's dense peak, peak memory, and the ratio to a hand-written loop on the sa
 without ``torch.compile``. It needs a CUDA device and exits at once without one.
 
     python benchmarks/gpu.py                                   # sp, sp-amp, sp-bf16 on one GPU
-    torchrun --standalone --nproc_per_node=8 benchmarks/gpu.py # ddp, ddp-amp, ddp-bf16, fsdp, fsdp-amp, fsdp-bf16
+    torchrun --standalone --nproc_per_node=8 benchmarks/gpu.py # ddp*, fsdp* (and their amp, bf16), pp-GPipe, pp-1F1B
     python benchmarks/gpu.py --size medium --batch-size 4 --compile on --json gpu.json
 
 Each (backend, compile) pair runs the framework and the hand-written loop alternately, ``--repeats``
@@ -11,8 +11,10 @@ times, in this one process (one NCCL group under torchrun); the figures are medi
 after ``--warmup`` steps (compilation happens there). The hand-written loop does what the backend does:
 autocast with a GradScaler for fp16, bf16 weights for ``*-bf16``, ``DistributedDataParallel`` or FSDP2
 ``fully_shard`` of the blocks and root for ``ddp*``/``fsdp*``, each block compiled for compile.
-MFU counts model FLOPs (``gpu_flops.gpt_flops_per_token``) against the dtype's dense peak of the GPU
-(``framework/callbacks/gpu_peaks.py``, or ``--peak-tflops``). Record the figures in docs/benchmarks.md, "GPU".
+Under torchrun the pipeline rows (``pp-GPipe``, ``pp-1F1B``: one stage per GPU, ``gpu_pipeline.py``) follow,
+uncompiled, unless ``--pipeline off``. MFU counts model FLOPs (``gpu_flops.gpt_flops_per_token``) against
+the dtype's dense peak of the GPU (``framework/callbacks/gpu_peaks.py``, or ``--peak-tflops``). Record the
+figures in docs/benchmarks.md, "GPU".
 """
 
 import argparse
@@ -48,6 +50,9 @@ def parse_arguments(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense peak TFLOP/s of one GPU (default: the table)")
     parser.add_argument(
         "--tf32", action="store_true", help="allow TF32 matmuls for the fp32 backends (MFU against the TF32 peak)"
+    )
+    parser.add_argument(
+        "--pipeline", choices=["on", "off"], default="on", help="under torchrun, the pp-GPipe and pp-1F1B rows (default on)"
     )
     parser.add_argument("--json", default=None, help="also write the header and rows to this JSON file")
     args = parser.parse_args(argv)
@@ -89,7 +94,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     settings = Settings(args.size, args.batch_size, args.steps, args.warmup, args.amp_dtype)
     compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
-    header, rows = run_rows(settings, backends, compiles, args.repeats)
+    from gpu_pipeline import PIPELINE_SCHEDULES
+
+    pipeline = PIPELINE_SCHEDULES if args.pipeline == "on" else []
+    header, rows = run_rows(settings, backends, compiles, args.repeats, pipeline_schedules=pipeline)
     if header["rank"] != 0:
         return 0
     add_utilisation(header, rows, args.amp_dtype, args.tf32, args.peak_tflops)

@@ -7,7 +7,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -199,10 +199,16 @@ def compare(backend: str, compile: bool, settings: Settings, repeats: int, devic
 
 
 def run_rows(
-    settings: Settings, backends: List[str], compiles: List[bool], repeats: int, device: Optional[torch.device] = None
+    settings: Settings,
+    backends: List[str],
+    compiles: List[bool],
+    repeats: int,
+    device: Optional[torch.device] = None,
+    pipeline_schedules: Sequence[str] = (),
 ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
-    """Every (backend, compile) row, and the header that says where they were measured. Under torchrun
-    one process group (NCCL on CUDA) serves every run; it is left again at the end."""
+    """Every (backend, compile) row, then with 2 or more ranks a row per pipeline schedule
+    (``gpu_pipeline.py``), and the header that says where they were measured. Under torchrun one process
+    group (NCCL on CUDA) serves every run; it is left again at the end."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = device or torch.device("cuda", local_rank)
     if device.type == "cuda":
@@ -213,6 +219,10 @@ def run_rows(
     try:
         rows = [compare(backend, compile, settings, repeats, device) for compile in compiles for backend in backends]
         rank, world_size = world()
+        if pipeline_schedules and world_size > 1:
+            from gpu_pipeline import pipeline_rows
+
+            rows += pipeline_rows(settings, repeats, device, list(pipeline_schedules))
     finally:
         if joined:
             dist.destroy_process_group()

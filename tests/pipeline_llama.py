@@ -1,0 +1,35 @@
+"""A torchtitan-layout llama (embeddings, an ``nn.ModuleDict`` of blocks, norm, head) that trains on any
+backend and on a pipeline: ``train_step`` for sp/ddp/fsdp, ``pipeline_inputs`` / ``pipeline_loss`` for
+``pipeline_parallel_size > 1`` (same loss). The data is the example's rule sequences (no download)."""
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+from staged_llama import StagedLlama, token_loss
+
+
+class PipelineLlama(StagedLlama):
+    """4 blocks in an ``nn.ModuleDict``; AdamW; every step's loss logged by the framework as ``train_loss``."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2) -> None:
+        super().__init__(n_layers=n_layers, blocks="dict")
+        self.lr = lr
+
+    def pipeline_inputs(self, batch: Any) -> Tuple[Tuple[torch.Tensor, ...], torch.Tensor]:
+        tokens = batch[0]
+        return (tokens[:, :-1],), tokens[:, 1:]
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return token_loss(logits, target)
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: Any, epochs: int):
+        return [torch.optim.AdamW(self.parameters(), lr=self.lr)], []
+
+
+def full_weights(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Every parameter this rank holds, whole (DTensors gathered: call on every rank of the stage)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for name, p in module.named_parameters()}
+
+
+def losses(history: Any, name: str = "train_loss") -> List[float]:
+    return [record["value"] for record in history.records if record["name"] == name]

@@ -306,6 +306,7 @@ class FSDP(PipelineParallel, DDP):
             on_rank_zero=self.run_on_rank_zero,
             process_group=group,
             copy=copy,
+            stage_group=self.pipeline_group(),  # a pipeline: rank zero's state.pt names every stage's tensors
         )
 
     def load_checkpoint(
@@ -333,7 +334,7 @@ class FSDP(PipelineParallel, DDP):
                 "sharded checkpoint directories: resume it with the backend that wrote it, or load its weights with "
                 "framework.checkpoint.load_weights"
             )
-        return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed)
+        return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed, one_stage=self.pipelined)
 
     def _agree_readable(self, path: str, io: CheckpointIO) -> None:
         """Every rank checks ``path`` alone (no collective); a problem on any rank is raised on every

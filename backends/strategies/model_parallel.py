@@ -282,6 +282,8 @@ class ModelParallel(FSDP):
                     f"processes ({per_node}); set tensor_parallel_size to a divisor of the world size {self.world_size}"
                 )
             size = per_node[self.cluster_environment.node_rank]
+            if self.pipelined:  # a stage's share of the node's processes (pp is outermost)
+                size = max(1, size // self.pipeline_parallel_size)
         if self.world_size % size:
             divisors = [n for n in range(1, self.world_size + 1) if self.world_size % n == 0]
             raise ValueError(

@@ -29,7 +29,7 @@ The mixin is placed before :class:`~backends.strategies.ddp.DDP` in FSDP's bases
 """
 
 import logging
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,7 @@ class PipelineParallel:
         self.pipeline_schedule = pipeline_schedule
         self.pipeline_mesh: Any = None
         self.stage_module: Optional[torch.nn.Module] = None
-        self._runners: Dict[int, PipelineRunner] = {}
+        self._runners: Dict[Any, PipelineRunner] = {}
 
     @property
     def pipeline_options(self) -> Dict[str, Any]:
@@ -241,11 +241,15 @@ class PipelineParallel:
                     data = torch.view_as_real(tensor.data) if tensor.is_complex() else tensor.data
                     dist.broadcast(data, group=group, group_src=0)
 
-    def pipeline_runner(self, micro_batches: int, loss: Callable[[Any, Any], torch.Tensor]) -> PipelineRunner:
-        """The schedule over ``micro_batches`` micro-batches for this rank's stage (built once per count)."""
+    def pipeline_runner(
+        self, micro_batches: int, loss: Callable[[Any, Any], torch.Tensor], inputs: Sequence[Any] = ()
+    ) -> PipelineRunner:
+        """The schedule over ``micro_batches`` micro-batches for this rank's stage, built once per count and
+        shape of ``inputs`` (a stage infers the shapes it sends and receives once: a smaller last batch gets its own)."""
         if self.stage_module is None:
             raise RuntimeError("pipeline_runner() before wrap_module(): the stage is cut when the module is wrapped")
-        runner = self._runners.get(micro_batches)
+        key = (micro_batches, tuple(tuple(getattr(tensor, "shape", ())) for tensor in inputs))
+        runner = self._runners.get(key)
         if runner is None:
             # 1F1B needs a micro-batch per stage; with fewer (a short cycle) GPipe computes the same gradients
             schedule = self.pipeline_schedule if micro_batches >= self.pipeline_parallel_size else "GPipe"
@@ -259,7 +263,7 @@ class PipelineParallel:
                 micro_batches,
                 loss,
             )
-            self._runners[micro_batches] = runner
+            self._runners[key] = runner
         runner.loss = loss
         return runner
 

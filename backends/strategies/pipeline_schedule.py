@@ -106,3 +106,14 @@ class PipelineRunner:
         else:
             self.schedule.step(*arguments, return_outputs=False)
         return self.micro_losses[-self.micro_batches :]  # the first step's shape inference may call the loss once more
+
+    def evaluate(self, inputs: Sequence[Any], target: Optional[Any]) -> List[torch.Tensor]:
+        """Forward only (the schedule's ``eval``) of the micro-batches; each one's loss on the last stage, [] elsewhere."""
+        self.micro_losses = []
+        arguments = tuple(inputs) if self.is_first else ()
+        with torch.no_grad():
+            if self.is_last:
+                self.schedule.eval(*arguments, target=target, losses=[])
+            else:
+                self.schedule.eval(*arguments)
+        return self.micro_losses[-self.micro_batches :]

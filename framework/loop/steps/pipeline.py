@@ -105,7 +105,7 @@ class PipelineStep:
             return 0
         seen = len(collected)
         inputs, target = joined(collected)
-        runner = self.strategy.pipeline_runner(seen, module.pipeline_loss)  # type: ignore[attr-defined]
+        runner = self.strategy.pipeline_runner(seen, module.pipeline_loss, inputs)  # type: ignore[attr-defined]
         micro_losses = parts.backend.forward(runner.step, inputs, target)  # inside the precision's autocast
         losses = self.strategy.broadcast_from_last_stage(stage_losses(micro_losses, seen, parts.device))
         for index in range(seen):

@@ -33,3 +33,26 @@ def full_weights(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def losses(history: Any, name: str = "train_loss") -> List[float]:
     return [record["value"] for record in history.records if record["name"] == name]
+
+
+class MetaLlama(PipelineLlama):
+    """The same model with its layers built in ``configure_model()`` (on the meta device under fsdp and
+    model-parallel: a stage never holds the other stages' layers); its RMSNorms get a ``reset_parameters``."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2) -> None:
+        super().__init__(n_layers=n_layers, lr=lr)
+        self.n_layers = n_layers
+        self.tok_embeddings = self.layers = self.norm = self.output = None  # built by configure_model
+
+    def configure_model(self) -> None:
+        from model_parallel import Block, RMSNorm
+
+        config = self.config
+        self.tok_embeddings = torch.nn.Embedding(config.vocab_size, config.dim)
+        blocks = (Block(config.dim, config.n_heads, config.hidden_dim) for _ in range(self.n_layers))
+        self.layers = torch.nn.ModuleDict({str(index): block for index, block in enumerate(blocks)})
+        self.norm = RMSNorm(config.dim)
+        self.output = torch.nn.Linear(config.dim, config.vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters = (lambda norm: lambda: torch.nn.init.ones_(norm.weight))(module)

@@ -15,7 +15,7 @@ from typing import Any, Dict
 
 import pytest
 import torch
-from pipeline_llama import PipelineLlama, full_weights, losses
+from pipeline_llama import MetaLlama, PipelineLlama, full_weights, losses
 
 from distributed import run_ranks
 from toy import toy_args
@@ -30,8 +30,8 @@ TRAIN = dict(train_batch_size=8, gpu_batch_size_limit=2, max_steps=STEPS, clip_g
 TRAIN.update(log_every_n_steps=1, track_grad_norm=True, max_val_steps_per_epoch=2, val_batch_size=8, val_every_n_steps=2)
 
 
-def train(out: str, **overrides: Any) -> Dict[str, Any]:
-    module = PipelineLlama()
+def train(out: str, model: type = PipelineLlama, **overrides: Any) -> Dict[str, Any]:
+    module = model()
     trainer = Trainer(module, toy_args(out, **{**TRAIN, **overrides}))
     trainer.train()
     history = trainer.history
@@ -47,6 +47,7 @@ def pipelines(rank: int, out: str) -> Dict[str, Any]:
     results: Dict[str, Any] = {}
     for backend in ("fsdp", "model-parallel"):
         results[backend] = train(os.path.join(out, backend), backend=backend, pipeline_parallel_size=2)
+    results["meta"] = train(os.path.join(out, "meta"), MetaLlama, backend="fsdp", pipeline_parallel_size=2, max_steps=1)
     saves = os.path.join(out, "checkpoints")
     at_end = DefaultCheckpointerArguments(save_dir=saves, period=0, save_at_end=True)
     train(os.path.join(out, "stopped"), backend="fsdp", pipeline_parallel_size=2, max_steps=2, checkpointer_args=at_end)
@@ -60,6 +61,7 @@ def pipelines(rank: int, out: str) -> Dict[str, Any]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     reference = train(str(root / "sp"))
+    reference["meta"] = train(str(root / "sp-meta"), MetaLlama, max_steps=1)
     ranks = run_ranks(pipelines, timeout=400, out=str(root))
     return reference, ranks, root
 
@@ -91,3 +93,11 @@ def test_pipeline_resumes_its_checkpoint_bitwise_and_reshards_to_one_process(run
     resume = DefaultCheckpointerArguments(period=0, save_at_end=False, load_dir=ranks[0]["saves"])
     as_sp = train(str(tmp_path / "as-sp"), checkpointer_args=resume)
     assert close(as_sp["weights"], reference["weights"]) < 1e-5
+
+
+def test_a_model_built_on_meta_gets_on_each_stage_the_values_one_process_draws(runs):
+    """Fault: each stage drawing its layers in its own order (stage 1's blocks would get stage 0's values)."""
+    reference, ranks, _ = runs
+    for rank in ranks:
+        assert close(rank["meta"]["weights"], reference["meta"]["weights"]) < 1e-5
+        assert max(abs(a - b) for a, b in zip(rank["meta"]["train_loss"], reference["meta"]["train_loss"])) < 1e-5

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from backends.strategies.ddp import reduce_over
 from backends.strategies.hsdp import DATA_DIM, HSDP_DIM_NAMES, REPLICATE_DIM, SHARD_DIM, TENSOR_DIM
-from backends.strategies.meta_init import materialize
+from backends.strategies.pipeline_init import materialize_stage, meta_built
 from backends.strategies.pipeline_schedule import DEFAULT_SCHEDULE, PipelineRunner, schedule_class
 from backends.strategies.pipeline_stages import check_stages, default_stages, keep_stage
 from backends.strategies.units import module_units, shard_groups
@@ -209,6 +209,7 @@ class PipelineParallel:
         target = getattr(module, "module", module)
         self.build_model(module)  # type: ignore[attr-defined]  # on meta: nothing allocated for the other stages
         stages = self.stage_names(target)
+        order = meta_built(target)  # the whole model's draw order: each stage starts from sp's values
         keep_stage(target, stages[self.pipeline_rank])
         logger.debug("rank %d: pipeline stage %d holds %s", self.rank, self.pipeline_rank, stages[self.pipeline_rank])
         self._broadcast_within_stage(target)
@@ -225,7 +226,7 @@ class PipelineParallel:
             for group in shard_groups(module_units(target)):
                 fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
             fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-        materialize(target, self.device)
+        materialize_stage(target, self.device, order)
         self.stage_module = stage
         self._runners = {}
         return module

@@ -19,6 +19,8 @@ from distributed import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
+WHOLE_VAL = dict(max_steps=2, max_val_steps_per_epoch=None)
+"""Every validation sample: 2 data-parallel ranks evaluate the same samples as one process."""
 LAYOUTS = {
     "pp2-dp2": dict(backend="fsdp"),
     "pp2-hsdp2": dict(backend="fsdp", data_parallel_replicate_size=2),
@@ -28,14 +30,14 @@ LAYOUTS = {
 
 def layouts(rank: int, out: str) -> Dict[str, Any]:
     return {
-        name: train(os.path.join(out, name), pipeline_parallel_size=2, max_steps=2, **extra) for name, extra in LAYOUTS.items()
+        name: train(os.path.join(out, name), pipeline_parallel_size=2, **WHOLE_VAL, **extra) for name, extra in LAYOUTS.items()
     }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline-mesh")
-    reference = train(str(root / "sp"), max_steps=2)
+    reference = train(str(root / "sp"), **WHOLE_VAL)
     return reference, run_ranks(layouts, world_size=4, timeout=500, out=str(root))
 
 

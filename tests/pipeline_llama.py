@@ -56,3 +56,17 @@ class MetaLlama(PipelineLlama):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters = (lambda norm: lambda: torch.nn.init.ones_(norm.weight))(module)
+
+
+class LoggingLlama(PipelineLlama):
+    """Logs its loss with ``self.log`` inside ``pipeline_loss`` (the last stage under a pipeline), and
+    trains through the same two methods on one process."""
+
+    def pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = token_loss(logits, target)
+        self.log("token_loss", loss, on_step=True, on_epoch=True, batch_size=target.shape[0])
+        return loss
+
+    def train_step(self, global_step: int, batch: Any, device: torch.device) -> torch.Tensor:
+        inputs, target = self.pipeline_inputs(batch)
+        return self.pipeline_loss(self(*inputs), target)

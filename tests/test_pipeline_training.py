@@ -15,7 +15,7 @@ from typing import Any, Dict
 
 import pytest
 import torch
-from pipeline_llama import MetaLlama, PipelineLlama, full_weights, losses
+from pipeline_llama import LoggingLlama, MetaLlama, PipelineLlama, full_weights, losses
 
 from distributed import run_ranks
 from toy import toy_args
@@ -40,6 +40,7 @@ def train(out: str, model: type = PipelineLlama, **overrides: Any) -> Dict[str, 
         "train_loss": losses(history),
         "val_loss": losses(history, "val_loss"),
         "grad_norm": losses(history, "grad_norm"),
+        "token_loss": losses(history, "token_loss") + losses(history, "token_loss_epoch"),
     }
 
 
@@ -47,6 +48,9 @@ def pipelines(rank: int, out: str) -> Dict[str, Any]:
     results: Dict[str, Any] = {}
     for backend in ("fsdp", "model-parallel"):
         results[backend] = train(os.path.join(out, backend), backend=backend, pipeline_parallel_size=2)
+    results["logged"] = train(
+        os.path.join(out, "logged"), LoggingLlama, backend="fsdp", pipeline_parallel_size=2, max_train_steps_per_epoch=2
+    )
     results["meta"] = train(os.path.join(out, "meta"), MetaLlama, backend="fsdp", pipeline_parallel_size=2, max_steps=1)
     saves = os.path.join(out, "checkpoints")
     at_end = DefaultCheckpointerArguments(save_dir=saves, period=0, save_at_end=True)
@@ -61,6 +65,7 @@ def pipelines(rank: int, out: str) -> Dict[str, Any]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     reference = train(str(root / "sp"))
+    reference["logged"] = train(str(root / "sp-logged"), LoggingLlama, max_train_steps_per_epoch=2)
     reference["meta"] = train(str(root / "sp-meta"), MetaLlama, max_steps=1)
     ranks = run_ranks(pipelines, timeout=400, out=str(root))
     return reference, ranks, root
@@ -101,3 +106,13 @@ def test_a_model_built_on_meta_gets_on_each_stage_the_values_one_process_draws(r
     for rank in ranks:
         assert close(rank["meta"]["weights"], reference["meta"]["weights"]) < 1e-5
         assert max(abs(a - b) for a, b in zip(rank["meta"]["train_loss"], reference["meta"]["train_loss"])) < 1e-5
+
+
+def test_what_pipeline_loss_logs_on_the_last_stage_reaches_every_rank(runs):
+    """Fault: metrics reduced on the last stage only (rank zero, on stage 0, would record none of them)."""
+    reference, ranks, _ = runs
+    expected = reference["logged"]["token_loss"]
+    assert len(expected) == 3  # two steps and the epoch
+    for rank in ranks:
+        found = rank["logged"]["token_loss"]
+        assert len(found) == len(expected) and max(abs(a - b) for a, b in zip(found, expected)) < 1e-5, (found, expected)

@@ -273,6 +273,13 @@ class PipelineParallel:
         dist.broadcast(tensor, group=self.pipeline_group(), group_src=self.pipeline_parallel_size - 1)
         return tensor
 
+    def from_last_stage(self, obj: Any) -> Any:
+        """The last stage's ``obj`` on every stage (collective over the pipeline group): what ``pipeline_loss``
+        logged there reaches rank zero's loggers."""
+        objects = [obj]
+        dist.broadcast_object_list(objects, group=self.pipeline_group(), group_src=self.pipeline_parallel_size - 1)
+        return objects[0]
+
     def teardown(self) -> None:
         self.pipeline_mesh, self.stage_module, self._runners = None, None, {}
         super().teardown()  # type: ignore[misc]

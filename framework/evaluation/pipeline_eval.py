@@ -4,7 +4,9 @@ Under ``pipeline_parallel_size > 1`` no rank holds the whole model, so ``val_ste
 (which call the module's ``forward`` on a batch) cannot run. Instead each batch goes through
 ``pipeline_inputs(batch)``, the stages' forwards (``schedule.eval``) and ``pipeline_loss`` on the last
 stage; that loss, broadcast over the pipeline, is the step's ``val_loss`` / ``test_loss`` (weighted by
-the batch's size, as a returned loss is). Prediction has no loss to return and is refused.
+the batch's size, as a returned loss is); what ``pipeline_loss`` logs with ``self.log`` is not recorded
+during evaluation (training's values would otherwise get validation's). Prediction has no loss to
+return and is refused.
 """
 
 from typing import Any, Callable, Optional
@@ -12,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from framework.loop.stage import Stage
-from framework.loop.steps.pipeline import stage_losses
+from framework.loop.steps.pipeline import PipelineLoss, stage_losses
 
 
 def pipeline_evaluation(module: Any, backend: Any) -> Optional[Callable[..., Any]]:
@@ -35,7 +37,7 @@ def pipeline_evaluation(module: Any, backend: Any) -> Optional[Callable[..., Any
             )
         inputs, target = module.pipeline_inputs(batch)
         inputs = tuple(inputs)
-        runner = strategy.pipeline_runner(1, module.pipeline_loss, inputs)
+        runner = strategy.pipeline_runner(1, PipelineLoss(module, quiet=True), inputs)
         losses = backend.forward(runner.evaluate, inputs, target)
         return strategy.broadcast_from_last_stage(stage_losses(losses, 1, device))[0]
 

@@ -90,6 +90,7 @@ class PipelineStep:
     def __init__(self, parts: StepParts) -> None:
         self.parts = parts
         self.strategy = parts.backend.strategy
+        self.loss = PipelineLoss(parts.module)
 
     def run(self, batches: Iterator[Any], cycle_length: int) -> int:
         """One optimizer step over up to ``cycle_length`` micro-batches; returns how many (0: the stream had ended)."""
@@ -105,7 +106,7 @@ class PipelineStep:
             return 0
         seen = len(collected)
         inputs, target = joined(collected)
-        runner = self.strategy.pipeline_runner(seen, module.pipeline_loss, inputs)  # type: ignore[attr-defined]
+        runner = self.loss.runner = self.strategy.pipeline_runner(seen, self.loss, inputs)
         micro_losses = parts.backend.forward(runner.step, inputs, target)  # inside the precision's autocast
         losses = self.strategy.broadcast_from_last_stage(stage_losses(micro_losses, seen, parts.device))
         for index in range(seen):
@@ -121,3 +122,29 @@ def stage_losses(micro_losses: List[torch.Tensor], micro_batches: int, device: t
     if micro_losses:
         return torch.stack([loss.detach().float() for loss in micro_losses]).to(device)
     return torch.zeros(micro_batches, device=device)
+
+
+class PipelineLoss:
+    """``module.pipeline_loss`` as the schedule calls it, with ``self.log`` silenced in the extra call torch
+    makes to infer shapes on a stage's first step (``runner.inferring``): what it logs counts each
+    micro-batch once, as on one process. ``quiet``: silenced in every call (evaluation, whose loss is
+    the step's ``val_loss``).
+
+    Example:
+        loss = PipelineLoss(module)
+        loss.runner = strategy.pipeline_runner(4, loss)
+    """
+
+    def __init__(self, module: Any, quiet: bool = False) -> None:
+        self.module, self.quiet = module, quiet
+        self.runner: Any = None
+
+    def __call__(self, outputs: Any, target: Any) -> torch.Tensor:
+        if not self.quiet and (self.runner is None or not self.runner.inferring):
+            return self.module.pipeline_loss(outputs, target)
+        logger = self.module._metric_logger
+        self.module._metric_logger = None
+        try:
+            return self.module.pipeline_loss(outputs, target)
+        finally:
+            self.module._metric_logger = logger

@@ -46,8 +46,9 @@ def train(out: str, model: type = PipelineLlama, **overrides: Any) -> Dict[str, 
 
 def pipelines(rank: int, out: str) -> Dict[str, Any]:
     results: Dict[str, Any] = {}
-    for backend in ("fsdp", "model-parallel"):
-        results[backend] = train(os.path.join(out, backend), backend=backend, pipeline_parallel_size=2)
+    for backend, schedule in (("fsdp", "1F1B"), ("model-parallel", "GPipe")):
+        pipeline = dict(pipeline_parallel_size=2, pipeline_schedule=schedule)
+        results[backend] = train(os.path.join(out, backend), backend=backend, **pipeline)
     results["logged"] = train(
         os.path.join(out, "logged"), LoggingLlama, backend="fsdp", pipeline_parallel_size=2, max_train_steps_per_epoch=2
     )

@@ -59,6 +59,14 @@ def pipelines(rank: int, out: str) -> Dict[str, Any]:
     resume = DefaultCheckpointerArguments(period=0, save_at_end=False, load_dir=saves)
     results["resumed"] = train(os.path.join(out, "resumed"), backend="fsdp", pipeline_parallel_size=2, checkpointer_args=resume)
     results["saves"] = saves
+    results["as_fsdp"] = train(os.path.join(out, "as-fsdp"), backend="fsdp", checkpointer_args=resume)  # pp 2 -> pp 1 (dp 2)
+    flat = os.path.join(out, "flat-checkpoints")
+    flat_end = DefaultCheckpointerArguments(save_dir=flat, period=0, save_at_end=True)
+    train(os.path.join(out, "flat"), backend="fsdp", max_steps=2, checkpointer_args=flat_end)
+    from_flat = DefaultCheckpointerArguments(period=0, save_at_end=False, load_dir=flat)
+    results["from_fsdp"] = train(
+        os.path.join(out, "from-fsdp"), backend="fsdp", pipeline_parallel_size=2, checkpointer_args=from_flat
+    )
     return results
 
 
@@ -117,3 +125,14 @@ def test_what_pipeline_loss_logs_on_the_last_stage_reaches_every_rank(runs):
     for rank in ranks:
         found = rank["logged"]["token_loss"]
         assert len(found) == len(expected) and max(abs(a - b) for a, b in zip(found, expected)) < 1e-5, (found, expected)
+
+
+def test_a_pipeline_checkpoint_reshards_to_fsdp_without_pipeline_and_back(runs):
+    """pp 2 (dp 1) -> fsdp pp 1 (dp 2), and fsdp pp 1 -> pp 2, each continued to the end. Fault: optimizer
+    state keyed by position (each stage's "parameter 0" another parameter), or a stage refusing the
+    other stages' names."""
+    reference, ranks, _ = runs
+    for rank in ranks:
+        assert close(rank["as_fsdp"]["weights"], reference["weights"]) < 1e-5
+        assert close(rank["from_fsdp"]["weights"], reference["weights"]) < 1e-5
+        assert len(rank["from_fsdp"]["weights"]) < len(reference["weights"])  # a stage

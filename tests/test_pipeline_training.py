@@ -22,6 +22,7 @@ from toy import toy_args
 
 from framework import Trainer
 from framework.checkpoint import DefaultCheckpointerArguments
+from framework.export import export_weights
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -49,6 +50,11 @@ def pipelines(rank: int, out: str) -> Dict[str, Any]:
     for backend, schedule in (("fsdp", "1F1B"), ("model-parallel", "GPipe")):
         pipeline = dict(pipeline_parallel_size=2, pipeline_schedule=schedule)
         results[backend] = train(os.path.join(out, backend), backend=backend, **pipeline)
+    module = PipelineLlama()
+    trainer = Trainer(module, toy_args(os.path.join(out, "export"), backend="fsdp", pipeline_parallel_size=2, max_steps=1))
+    trainer.train()
+    results["exported"] = os.path.join(out, "export", "weights.pt")
+    export_weights(trainer, results["exported"])
     results["logged"] = train(
         os.path.join(out, "logged"), LoggingLlama, backend="fsdp", pipeline_parallel_size=2, max_train_steps_per_epoch=2
     )
@@ -136,3 +142,14 @@ def test_a_pipeline_checkpoint_reshards_to_fsdp_without_pipeline_and_back(runs):
         assert close(rank["as_fsdp"]["weights"], reference["weights"]) < 1e-5
         assert close(rank["from_fsdp"]["weights"], reference["weights"]) < 1e-5
         assert len(rank["from_fsdp"]["weights"]) < len(reference["weights"])  # a stage
+
+
+def test_export_weights_gathers_every_stage(runs, tmp_path):
+    """Fault: each stage's ``state_dict()`` exported alone (rank zero would write stage 0's half)."""
+    _, ranks, _ = runs
+    module = PipelineLlama()
+    Trainer(module, toy_args(tmp_path, max_steps=1)).train()
+    exported = torch.load(ranks[0]["exported"], weights_only=True)["model"]
+    whole = module.state_dict()
+    assert list(exported) == list(whole)
+    assert max(float((exported[name] - tensor).abs().max()) for name, tensor in whole.items()) < 1e-5

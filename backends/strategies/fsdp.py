@@ -277,7 +277,7 @@ class FSDP(PipelineParallel, DDP):
 
     def unsharded(self, state: Any) -> Any:
         """``state`` with every sharded tensor all-gathered into a full CPU tensor (call it on every rank)."""
-        return map_tensors(state, _full_cpu_tensor)
+        return self.every_stage(map_tensors(state, _full_cpu_tensor))  # a pipeline: every stage's entries
 
     def local_shards(self, state: Any) -> Any:
         return map_tensors(state, _local_tensor)

@@ -273,6 +273,16 @@ class PipelineParallel:
         dist.broadcast(tensor, group=self.pipeline_group(), group_src=self.pipeline_parallel_size - 1)
         return tensor
 
+    def every_stage(self, state: Any) -> Any:
+        """Under a pipeline, every stage's entries of a ``state_dict`` of full tensors (collective over the
+        pipeline group; what ``unsharded`` returns), nested dictionaries (``get_state()``'s ``"model"``)
+        merged too: exports hold the whole model. This rank's own entries keep their values."""
+        if not self.pipelined or not isinstance(state, dict) or self.pipeline_group() is None:
+            return state
+        stages: List[Any] = [None] * self.pipeline_parallel_size
+        dist.all_gather_object(stages, state, group=self.pipeline_group())
+        return merged_stages(state, stages)
+
     def from_last_stage(self, obj: Any) -> Any:
         """The last stage's ``obj`` on every stage (collective over the pipeline group): what ``pipeline_loss``
         logged there reaches rank zero's loggers."""
@@ -283,3 +293,25 @@ class PipelineParallel:
     def teardown(self) -> None:
         self.pipeline_mesh, self.stage_module, self._runners = None, None, {}
         super().teardown()  # type: ignore[misc]
+
+
+def merged_stages(own: Any, stages: Sequence[Any]) -> Any:
+    """``own`` with the entries of every stage's dictionary it lacks, in stage order, nested dictionaries merged.
+
+    Example:
+        >>> merged_stages({"model": {"b": 2}, "step": 1}, [{"model": {"a": 1}, "step": 0}, {"model": {"b": 2}, "step": 1}])
+        {'model': {'a': 1, 'b': 2}, 'step': 1}
+    """
+    if not isinstance(own, dict):
+        return own
+    dictionaries = [stage for stage in stages if isinstance(stage, dict)]
+    merged: Dict[Any, Any] = {}
+    for stage in dictionaries:
+        for key in stage:
+            if key not in merged:
+                values = [other[key] for other in dictionaries if key in other]
+                mine = own.get(key, values[0])
+                merged[key] = merged_stages(mine, values) if isinstance(mine, dict) else mine
+    for key, value in own.items():
+        merged.setdefault(key, value)
+    return type(own)(merged) if type(own) is not dict else merged

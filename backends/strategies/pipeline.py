@@ -99,7 +99,7 @@ class PipelineParallel:
     def __init__(
         self, *args: Any, pipeline_parallel_size: int = 1, pipeline_schedule: str = DEFAULT_SCHEDULE, **kwargs: Any
     ) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         self.pipeline_parallel_size = checked_pipeline_size(pipeline_parallel_size)
         schedule_class(pipeline_schedule)  # an unknown or several-stages-per-rank schedule: refused by name now
         self.pipeline_schedule = pipeline_schedule

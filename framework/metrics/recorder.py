@@ -99,7 +99,7 @@ class MetricRecorder:
         """Collected device values as floats, reduced over ranks."""
         gather = self.backend.all_gather_object if agree_on_names else None  # once per epoch: a rank may have logged nothing
         reduced = reduce_metrics(collected, self.backend.data_parallel_all_reduce, self.backend.device, gather)
-        strategy = self.backend.strategy
+        strategy: Any = self.backend.strategy
         if getattr(strategy, "pipelined", False):  # pipeline_loss logs on the last stage: every stage records its values
             reduced = strategy.from_last_stage(reduced)
         return reduced

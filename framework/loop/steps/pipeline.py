@@ -89,19 +89,20 @@ class PipelineStep:
 
     def __init__(self, parts: StepParts) -> None:
         self.parts = parts
-        self.strategy = parts.backend.strategy
+        self.strategy: Any = parts.backend.strategy  # a pipelined strategy (backends/strategies/pipeline.py)
         self.loss = PipelineLoss(parts.module)
 
     def run(self, batches: Iterator[Any], cycle_length: int) -> int:
         """One optimizer step over up to ``cycle_length`` micro-batches; returns how many (0: the stream had ended)."""
         parts = self.parts
         step, module = parts.progress.global_steps_finished, parts.module
+        pipeline_inputs: Any = getattr(module, "pipeline_inputs")  # noqa: B009 - a user method the module may lack
         collected = []
         for _ in range(cycle_length):
             batch = parts.next_batch(batches)
             if batch is None:
                 break
-            collected.append(module.pipeline_inputs(batch))  # type: ignore[attr-defined]
+            collected.append(pipeline_inputs(batch))
         if not collected:
             return 0
         seen = len(collected)

@@ -227,6 +227,7 @@ class PipelineParallel:
                 fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
             fully_shard(stage, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
         materialize_stage(target, self.device, order)
+        self.compile_units(target, module_units(target))  # type: ignore[attr-defined]  # compile=True: after sharding
         self.stage_module = stage
         self._runners = {}
         return module

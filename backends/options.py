@@ -26,6 +26,8 @@ OPTION_DEFAULTS: Dict[str, Any] = {
     "reshard_after_forward": True,
     "tensor_parallel_size": None,
     "data_parallel_replicate_size": None,
+    "pipeline_parallel_size": 1,
+    "pipeline_schedule": "1F1B",
     "amp_dtype": None,
 }
 """Every backend option, by its ``TrainerArguments`` name, with the value that means "not set"."""
@@ -39,6 +41,8 @@ CONSTRUCTOR_PARAMETERS: Dict[str, str] = {
     "reshard_after_forward": "FSDP(reshard_after_forward=...) or ModelParallel(reshard_after_forward=...)",
     "tensor_parallel_size": "ModelParallel(tensor_parallel_size=...)",
     "data_parallel_replicate_size": "FSDP(data_parallel_replicate_size=...) or ModelParallel(data_parallel_replicate_size=...)",
+    "pipeline_parallel_size": "FSDP(pipeline_parallel_size=...) or ModelParallel(pipeline_parallel_size=...)",
+    "pipeline_schedule": "FSDP(pipeline_schedule=...) or ModelParallel(pipeline_schedule=...)",
     "amp_dtype": "MixedPrecision(dtype=...)",
 }
 """Where each option goes when a backend is built by hand."""
@@ -48,6 +52,8 @@ APPLIES_TO: Dict[str, str] = {
     "reshard_after_forward": "the fsdp and model-parallel backends (fsdp*, model-parallel*)",
     "tensor_parallel_size": "the model-parallel backends (model-parallel, model-parallel-amp, model-parallel-bf16)",
     "data_parallel_replicate_size": "the fsdp and model-parallel backends (fsdp*, model-parallel*): HSDP",
+    "pipeline_parallel_size": "the fsdp and model-parallel backends (fsdp*, model-parallel*): pipeline parallelism",
+    "pipeline_schedule": "the fsdp and model-parallel backends (fsdp*, model-parallel*): pipeline parallelism",
     "amp_dtype": "the mixed-precision backends (*-amp) and, as 'bfloat16', the true bf16 ones (*-bf16)",
     "ddp_timeout": "multi-process strategies (ddp, fsdp)",
 }
@@ -77,6 +83,8 @@ class BackendArguments(Protocol):
     reshard_after_forward: bool
     tensor_parallel_size: Optional[int]
     data_parallel_replicate_size: Optional[int]
+    pipeline_parallel_size: int
+    pipeline_schedule: str
     amp_dtype: Optional[str]
 
 

@@ -155,6 +155,15 @@ class ModuleInterface(torch.nn.Module, TrainingHooks, abc.ABC):
         """
         return None
 
+    def pipeline_stages(self, num_stages: int) -> Optional[List[List[str]]]:
+        """Under ``pipeline_parallel_size > 1``: each stage's top-level names (children, and blocks as
+        ``"layers.3"``), e.g. ``[["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]``. None (the
+        default): the first ``nn.ModuleDict``/``nn.ModuleList`` of blocks split evenly, what comes before it on
+        the first stage, what comes after on the last. A pipeline also needs ``pipeline_inputs(batch) ->
+        (inputs tuple of the first stage, target)`` and ``pipeline_loss(outputs, target) -> loss`` (no
+        defaults), and a ``forward`` that runs the parts a stage holds (a removed child is None)."""
+        return None
+
     def parallelize(self, tp_mesh: Any) -> None:
         """Split the module over ``tp_mesh`` (the ``tp`` axis), for full control; the default
         applies :meth:`tensor_parallel_plan` with ``parallelize_module``. Called once by the

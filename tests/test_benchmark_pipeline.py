@@ -168,15 +168,8 @@ def test_help_runs_and_bad_options_are_refused_naming_them():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.xfail(
-    bool(pipeline.trainer_contract_missing()),
-    strict=True,
-    reason="the Trainer's pipeline (issue 52, pipecore) is not in this checkout: --trainer is refused",
-)
 def test_the_trainer_flag_times_the_trainers_pipeline_against_the_hand_written_loop():
-    """Fault: ``--trainer`` written against names the Trainer does not take. While the contract is missing this
-    is a strict expected failure (refused naming it); once ``TrainerArguments`` has it the condition is false
-    and the test runs as any other (it passes against the pipecore branch). Then drop the mark."""
+    """Fault: ``--trainer`` written against names the Trainer does not take (refused, naming them)."""
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "pipeline.py"), "--trainer", "--nproc", "2"]
     command += ["--steps", "1", "--rounds", "1", "--schedules", "1F1B", "--micro-batch-counts", "4"]
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))

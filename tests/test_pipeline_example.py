@@ -7,7 +7,6 @@ checkout lacks it, the test is a strict expected failure (it must fail, and does
 argument); the day the contract is here the mark's condition is false and the test runs as any other
 (checked against the pipecore branch: both runs print ``final val_loss=3.7680``). Then drop the mark."""
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -17,11 +16,8 @@ import pytest
 
 from distributed import free_port
 
-from framework import TrainerArguments
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "pipeline_parallel.py")
-HAS_PIPELINE = {"pipeline_parallel_size", "pipeline_schedule"} <= {f.name for f in dataclasses.fields(TrainerArguments)}
 
 
 def read(path: str) -> str:
@@ -45,7 +41,6 @@ def final_val_loss(output: str) -> float:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.xfail(not HAS_PIPELINE, strict=True, reason="the Trainer's pipeline (issue 52, pipecore) is not in this checkout")
 def test_the_example_trains_pp2_x_dp2_under_torchrun_with_the_losses_of_one_process(tmp_path):
     """Faults: the torchrun form of the page's program failing; a pipeline whose losses differ from one
     process's (micro-batch losses not divided by their number, pp peers reading different batches)."""

@@ -18,14 +18,19 @@ from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.buffers import BufferBroadcast, broadcast_buffers
 from backends.strategies.ddp import DDP
+from backends.strategies.dtensors import full_cpu_tensor as _full_cpu_tensor
+from backends.strategies.dtensors import is_dtensor as _is_dtensor
+from backends.strategies.dtensors import local_tensor as _local_tensor
+from backends.strategies.dtensors import sharded_parameter_count  # noqa: F401 - its public home was here
 from backends.strategies.hsdp import check_replicate_size, checked_replicate_size, hsdp_mesh
 from backends.strategies.meta_init import materialize
+from backends.strategies.pipeline import PipelineParallel
 from backends.strategies.units import module_units, shard_groups, units_tied_to_root
 
 logger = logging.getLogger(__name__)
 
 
-class FSDP(DDP):
+class FSDP(PipelineParallel, DDP):
     """Shards parameters, gradients and optimizer state over the ranks (FSDP2), launched by torchrun.
 
     Units: the module's ``sharding_units()`` when it defines one, else every block of every
@@ -47,6 +52,7 @@ class FSDP(DDP):
             (``TrainerArguments.reshard_after_forward``).
         timeout_seconds: as for :class:`~backends.strategies.ddp.DDP` (``TrainerArguments.ddp_timeout``).
         data_parallel_replicate_size: HSDP's replica groups, usually the nodes (:mod:`backends.strategies.hsdp`); None: 1.
+        pipeline_parallel_size, pipeline_schedule: pipeline stages, ``pp`` outermost (:mod:`backends.strategies.pipeline`).
         use_gpu, cluster, compile: as for :class:`~backends.strategies.strategy.Strategy`.
             ``find_unused_parameters`` is not taken: FSDP2 needs no search for unused parameters.
 
@@ -70,9 +76,17 @@ class FSDP(DDP):
         cluster: Union[str, ClusterEnvironment, None] = None,
         compile: bool = False,
         data_parallel_replicate_size: Optional[int] = None,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
     ) -> None:
         super().__init__(
-            find_unused_parameters=False, timeout_seconds=timeout_seconds, use_gpu=use_gpu, cluster=cluster, compile=compile
+            find_unused_parameters=False,
+            timeout_seconds=timeout_seconds,
+            use_gpu=use_gpu,
+            cluster=cluster,
+            compile=compile,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_schedule=pipeline_schedule,
         )
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"FSDP(reshard_after_forward={reshard_after_forward!r}) is invalid; allowed: True, False")
@@ -98,12 +112,14 @@ class FSDP(DDP):
             reshard_after_forward=option(args, "reshard_after_forward"),
             timeout_seconds=option(args, "ddp_timeout"),
             data_parallel_replicate_size=option(args, "data_parallel_replicate_size"),
+            pipeline_parallel_size=option(args, "pipeline_parallel_size"),
+            pipeline_schedule=option(args, "pipeline_schedule"),
             **strategy_options(args),
         )
 
     @property
     def options(self) -> Dict[str, Any]:
-        options = {**super().options, "reshard_after_forward": self.reshard_after_forward}
+        options = {**super().options, "reshard_after_forward": self.reshard_after_forward, **self.pipeline_options}
         options["data_parallel_replicate_size"] = self.requested_replicate_size
         del options["find_unused_parameters"]
         return options
@@ -118,6 +134,8 @@ class FSDP(DDP):
             raise
 
     def _settle_layout(self) -> None:
+        if self.pipelined:  # pp outermost: every other dimension is inside one stage
+            self.build_pipeline_mesh()
         check_replicate_size(self.data_parallel_replicate_size, self.data_parallel_size, f"{self.world_size} processes")
 
     def configure_precision(self, compute_dtype: Optional[torch.dtype], uses_grad_scaler: bool) -> None:
@@ -130,6 +148,8 @@ class FSDP(DDP):
 
     def wrap_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Shard every unit of the user's module, then the root (``module``: the step runner)."""
+        if self.pipelined:
+            return self.wrap_pipeline(module)
         target = getattr(module, "module", module)  # the StepRunner's ModuleInterface
         self.build_model(module)
         units = module_units(target)
@@ -257,7 +277,7 @@ class FSDP(DDP):
 
     def unsharded(self, state: Any) -> Any:
         """``state`` with every sharded tensor all-gathered into a full CPU tensor (call it on every rank)."""
-        return map_tensors(state, _full_cpu_tensor)
+        return self.every_stage(map_tensors(state, _full_cpu_tensor))  # a pipeline: every stage's entries
 
     def local_shards(self, state: Any) -> Any:
         return map_tensors(state, _local_tensor)
@@ -286,6 +306,7 @@ class FSDP(DDP):
             on_rank_zero=self.run_on_rank_zero,
             process_group=group,
             copy=copy,
+            stage_group=self.pipeline_group(),  # a pipeline: rank zero's state.pt names every stage's tensors
         )
 
     def load_checkpoint(
@@ -313,7 +334,7 @@ class FSDP(DDP):
                 "sharded checkpoint directories: resume it with the backend that wrote it, or load its weights with "
                 "framework.checkpoint.load_weights"
             )
-        return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed)
+        return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed, one_stage=self.pipelined)
 
     def _agree_readable(self, path: str, io: CheckpointIO) -> None:
         """Every rank checks ``path`` alone (no collective); a problem on any rank is raised on every
@@ -420,31 +441,3 @@ def _fsdp_state(wrapped: torch.nn.Module) -> Any:
     from torch.distributed.fsdp import FSDPModule
 
     return wrapped._get_fsdp_state() if isinstance(wrapped, FSDPModule) else None
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def _full_cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor().cpu() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if _is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def sharded_parameter_count(module: torch.nn.Module) -> Dict[str, int]:
-    """``{"local": elements this rank holds, "total": elements of the full model}``.
-
-    Example:
-        >>> sharded_parameter_count(torch.nn.Linear(2, 2))
-        {'local': 6, 'total': 6}
-    """
-    local = total = 0
-    for parameter in module.parameters():
-        total += parameter.numel()
-        local += _local_tensor(parameter).numel()
-    return {"local": local, "total": total}

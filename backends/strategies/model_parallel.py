@@ -172,6 +172,8 @@ class ModelParallel(FSDP):
         cluster: Union[str, ClusterEnvironment, None] = None,
         compile: bool = False,
         data_parallel_replicate_size: Optional[int] = None,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
     ) -> None:
         super().__init__(
             reshard_after_forward,
@@ -180,6 +182,8 @@ class ModelParallel(FSDP):
             cluster=cluster,
             compile=compile,
             data_parallel_replicate_size=data_parallel_replicate_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_schedule=pipeline_schedule,
         )
         if tensor_parallel_size is not None and (
             isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1
@@ -209,6 +213,8 @@ class ModelParallel(FSDP):
             reshard_after_forward=option(args, "reshard_after_forward"),
             timeout_seconds=option(args, "ddp_timeout"),
             data_parallel_replicate_size=option(args, "data_parallel_replicate_size"),
+            pipeline_parallel_size=option(args, "pipeline_parallel_size"),
+            pipeline_schedule=option(args, "pipeline_schedule"),
             **strategy_options(args),
         )
 
@@ -218,20 +224,21 @@ class ModelParallel(FSDP):
 
     # -- the grid -----------------------------------------------------------------------
     @property
-    def data_parallel_rank(self) -> int:
-        return self.rank // self.tensor_parallel_size
+    def data_parallel_rank(self) -> int:  # pp outermost: the place inside this stage's block of ranks
+        return (self.rank % self.ranks_per_stage) // self.tensor_parallel_size
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel_size
+        return self.ranks_per_stage // self.tensor_parallel_size
 
     @property
     def tensor_parallel_rank(self) -> int:
         """This rank's column: which part of each split layer it holds."""
         return self.rank % self.tensor_parallel_size
 
-    def data_parallel_representatives(self) -> List[int]:
-        return [row * self.tensor_parallel_size for row in range(self.data_parallel_size)]
+    def data_parallel_representatives(self) -> List[int]:  # the last stage's (where the loss is)
+        last = (self.pipeline_parallel_size - 1) * self.ranks_per_stage
+        return [last + row * self.tensor_parallel_size for row in range(self.data_parallel_size)]
 
     def setup(self) -> None:
         """Join the process group, check ``tensor_parallel_size`` against the world size and
@@ -243,7 +250,9 @@ class ModelParallel(FSDP):
                 data-parallel size (the process group is left again first).
         """
         super().setup()
-        if self.distributed and (replicas := self.data_parallel_replicate_size) > 1:
+        if self.pipelined:  # ("pp", "dp_replicate", "dp_shard", "tp"), "dp" flattened
+            self.device_mesh = self.build_pipeline_mesh(self.tensor_parallel_size)
+        elif self.distributed and (replicas := self.data_parallel_replicate_size) > 1:
             shard = self.data_parallel_size // replicas
             self.device_mesh = hsdp_mesh(self.device.type, replicas, shard, self.tensor_parallel_size)
         elif self.distributed:
@@ -262,6 +271,7 @@ class ModelParallel(FSDP):
 
     def _settle_layout(self) -> None:  # inside FSDP.setup: the tensor-parallel size first, then the replicas
         self.tensor_parallel_size = self._resolve_tensor_parallel_size()
+        self.check_pipeline_layout(self.tensor_parallel_size)
         described = f"{self.world_size} processes / tensor_parallel_size {self.tensor_parallel_size}"
         check_replicate_size(self.data_parallel_replicate_size, self.data_parallel_size, described)
 
@@ -276,6 +286,8 @@ class ModelParallel(FSDP):
                     f"processes ({per_node}); set tensor_parallel_size to a divisor of the world size {self.world_size}"
                 )
             size = per_node[self.cluster_environment.node_rank]
+            if self.pipelined:  # a stage's share of the node's processes (pp is outermost)
+                size = max(1, size // self.pipeline_parallel_size)
         if self.world_size % size:
             divisors = [n for n in range(1, self.world_size + 1) if self.world_size % n == 0]
             raise ValueError(
@@ -307,6 +319,9 @@ class ModelParallel(FSDP):
         """Split the user's module over ``tp`` (plan or ``parallelize``), then shard over ``dp``
         (``module``: the step runner)."""
         target = getattr(module, "module", module)
+        if self.pipelined:  # cut to this rank's stage, then split over tp and shard over dp
+            self.check_module(target)
+            return self.wrap_pipeline(module, split=self._split_stage)
         self.build_model(module)  # on meta: the layers it builds take no memory until split and sharded
         self.check_module(target)
         broadcast_from_rank_zero(target)  # the tensor-parallel split and the dp shards start from rank zero's weights
@@ -322,6 +337,10 @@ class ModelParallel(FSDP):
         if self._loss_parallel_open:  # a nested `with loss_parallel():` of the step's own is harmless
             _reopen_loss_parallel()
         return map_tensors(outputs, _whole)
+
+    def _split_stage(self, target: torch.nn.Module) -> None:
+        if self.device_mesh is not None and self.tensor_parallel_size > 1:
+            self.split_over_tensor_parallel(target, self.device_mesh["tp"])
 
     def split_over_tensor_parallel(self, target: torch.nn.Module, tp_mesh: Any) -> None:
         """Split ``target``'s layers over ``tp_mesh`` by its ``parallelize(tp_mesh)`` or its plan,
@@ -385,7 +404,7 @@ class ModelParallel(FSDP):
 
     def data_parallel_all_reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         """Reduced over the ranks of this rank's ``dp`` axis (one per share of the data)."""
-        if self.device_mesh is None or self.tensor_parallel_size == 1:
+        if self.device_mesh is None or (self.tensor_parallel_size == 1 and not self.pipelined):
             return self.all_reduce(tensor, op)
         return reduce_over(tensor, op, self.data_parallel_size, self.device_mesh.get_group("dp"))
 

@@ -87,13 +87,21 @@ class PipelineRunner:
         self.loss = loss
         self.micro_losses: List[torch.Tensor] = []
         stage = PipelineStage(stage_module, stage_index, num_stages, device, group=group)
+        self.stage = stage
         self.schedule = schedule_class(schedule)(
             stage, n_microbatches=micro_batches, loss_fn=self._scaled_loss, scale_grads=False
         )
 
+    @property
+    def inferring(self) -> bool:
+        """True while torch infers the shapes a stage sends (its first step runs the loss once more, on no
+        micro-batch of the step: no micro-batch's forward is cached then)."""
+        return not getattr(self.stage, "fwd_cache", True)
+
     def _scaled_loss(self, outputs: Any, target: Any) -> torch.Tensor:
         loss = self.loss(outputs, target)
-        self.micro_losses.append(loss.detach())
+        if not self.inferring:
+            self.micro_losses.append(loss.detach())
         return loss / self.micro_batches if self.micro_batches > 1 else loss
 
     def step(self, inputs: Sequence[Any], target: Optional[Any]) -> List[torch.Tensor]:
@@ -106,3 +114,14 @@ class PipelineRunner:
         else:
             self.schedule.step(*arguments, return_outputs=False)
         return self.micro_losses[-self.micro_batches :]  # the first step's shape inference may call the loss once more
+
+    def evaluate(self, inputs: Sequence[Any], target: Optional[Any]) -> List[torch.Tensor]:
+        """Forward only (the schedule's ``eval``) of the micro-batches; each one's loss on the last stage, [] elsewhere."""
+        self.micro_losses = []
+        arguments = tuple(inputs) if self.is_first else ()
+        with torch.no_grad():
+            if self.is_last:
+                self.schedule.eval(*arguments, target=target, losses=[])
+            else:
+                self.schedule.eval(*arguments)
+        return self.micro_losses[-self.micro_batches :]

@@ -10,6 +10,7 @@ from framework.loggers.base import Logger
 from framework.loggers.registry import check_logger_choices
 
 PROFILERS = ("off", "throughput", "torch")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -121,6 +122,17 @@ class TrainerArguments(_CarriesRunConfig):
     size. ``None``: 1 (shard over every data-parallel rank). Passed to ``FSDP(data_parallel_replicate_size=...)`` /
     ``ModelParallel(data_parallel_replicate_size=...)``; any other backend refuses a value. See
     [distributed.md](distributed.md#hsdp-replicate-across-nodes-shard-within-one)."""
+    pipeline_parallel_size: int = 1
+    """fsdp and model-parallel backends: pipeline stages (the ``pp`` axis, outermost: ``("pp", "dp_replicate", "dp_shard",
+    "tp")``); each stage holds a contiguous part of the model (by default the blocks of its first ``nn.ModuleDict`` /
+    ``nn.ModuleList`` split evenly) and its ranks read the same batches. Must divide the world size; the data-parallel size
+    is world size / (this x tensor_parallel_size). The module defines ``pipeline_inputs(batch)`` and
+    ``pipeline_loss(outputs, target)``. 1: no pipeline. Any other backend refuses a value (see pipeline-parallel.md)."""
+    pipeline_schedule: str = "1F1B"
+    """With ``pipeline_parallel_size > 1``: torch's schedule that runs each step's micro-batches (the accumulation cycle)
+    through the stages: ``"1F1B"`` (one forward, one backward: activations of at most ``pipeline_parallel_size``
+    micro-batches in memory) or ``"GPipe"`` (every forward, then every backward); case-insensitive. Interleaved and V
+    schedules (several stages per rank) are refused by name."""
     backend_options: Dict[str, Any] = field(default_factory=dict)
     """The chosen backend's own options, as a plugin declares them (``register_backend(..., options=...)``); the factory
     receives each as a keyword argument. ``--trainer.backend_options.NAME VALUE``, or ``backend_options: {NAME: VALUE}``
@@ -222,6 +234,19 @@ class TrainerArguments(_CarriesRunConfig):
             "data_parallel_replicate_size",
             replicas,
             "None or an integer >= 1 that divides the data-parallel size",
+        )
+        pp_size = self.pipeline_parallel_size
+        _require(
+            isinstance(pp_size, int) and not isinstance(pp_size, bool) and pp_size >= 1,
+            "pipeline_parallel_size",
+            pp_size,
+            "an integer >= 1 that divides the world size (1: no pipeline)",
+        )
+        _require(
+            isinstance(self.pipeline_schedule, str) and self.pipeline_schedule.lower() in PIPELINE_SCHEDULES,
+            "pipeline_schedule",
+            self.pipeline_schedule,
+            "'1F1B' or 'GPipe' (interleaved and V schedules need several stages per rank, not built yet)",
         )
         _require(self.scheduler_interval in ("step", "epoch"), "scheduler_interval", self.scheduler_interval, "'step' or 'epoch'")
         _require(self.amp_dtype in (None, "float16", "bfloat16"), "amp_dtype", self.amp_dtype, "None, 'float16' or 'bfloat16'")

@@ -7,6 +7,7 @@ import torch
 
 from backends import TrainerBackend
 from framework.config.arguments import TrainerArguments
+from framework.evaluation.pipeline_eval import pipeline_evaluation
 from framework.loop.hooks import HookDispatcher
 from framework.loop.module_checks import report_no_loaders
 from framework.loop.stage import Stage
@@ -127,12 +128,16 @@ class Evaluator:
         ``step_hook`` (``on_end_val_step``...) is called after each step."""
         collected = []
         method, device, loss_name = f"{stage.value}_step", self.backend.device, f"{stage.value}_loss"
+        pipeline = pipeline_evaluation(self.module, self.backend)  # a pipeline: through the schedule's eval
         with torch.no_grad(), self.backend.inference(self.runner):  # fsdp: the shards are gathered, then freed
             for index, batch in enumerate(loader):
                 if limit is not None and index >= limit:
                     break
                 batch = self.backend.move_to_device(batch)
-                returned = self.backend.forward(self.runner, stage, global_step, batch, device)
+                if pipeline is not None:
+                    returned = pipeline(stage, global_step, batch, device)
+                else:
+                    returned = self.backend.forward(self.runner, stage, global_step, batch, device)
                 if returned is None:  # Lightning's usual step: it only calls self.log; no <stage>_loss then
                     if step_hook is not None:
                         self.hooks.call(step_hook, global_step, key=key)

@@ -142,7 +142,8 @@ class CheckpointManager:
         if self.checkpointer.restores_model_only():  # reset_optimizers_schedulers: weights only
             return
         optimizers, schedulers = self.setup.optimizers, self.setup.schedulers
-        checks.check_optimizer_state_compatible(checkpoint.trainer_state, optimizers, schedulers, path)
+        one_stage = bool(getattr(self.backend.strategy, "pipelined", False))
+        checks.check_optimizer_state_compatible(checkpoint.trainer_state, optimizers, schedulers, path, one_stage)
         check_optimizer_classes(checkpoint.trainer_state, optimizers, path)
         with checks.naming_missing_keys(path, "trainer state"):
             self.backend.load_state_dict(checkpoint.backend_state)
@@ -224,8 +225,9 @@ class CheckpointManager:
         self.pending_rng.set(mine["rng"])  # restored around the train loader's iterator (see Trainer._start_epoch)
         self.stopping.should_stop = bool(state["should_stop"])
         configured = ConfiguredHyperparameters(setup.optimizers)
+        one_stage = bool(getattr(self.backend.strategy, "pipelined", False))  # a pipeline's stage: its own names only
         for optimizer, optimizer_state in zip(setup.optimizers, state["optimizers"]):
-            optimizer_names.load_into(optimizer, optimizer_state, self.module)  # by name, or by position (older)
+            optimizer_names.load_into(optimizer, optimizer_state, self.module, one_stage)  # by name, or by position (older)
         for scheduler, scheduler_state in zip(setup.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
         for callback, saved in saved_states(self.callbacks, state["callbacks"]):

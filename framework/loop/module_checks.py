@@ -296,9 +296,16 @@ def _format_expected(name: str) -> str:
 
 # -- resuming ----------------------------------------------------------------------------------
 def check_optimizer_state_compatible(
-    saved_trainer_state: Dict[str, Any], optimizers: Sequence[Any], schedulers: Sequence[Any], checkpoint_path: Optional[str]
+    saved_trainer_state: Dict[str, Any],
+    optimizers: Sequence[Any],
+    schedulers: Sequence[Any],
+    checkpoint_path: Optional[str],
+    one_stage: bool = False,
 ) -> None:
     """Refuse to resume when the checkpoint's optimizers or schedulers do not match this run's.
+
+    ``one_stage``: this rank holds one pipeline stage, whose groups hold part of each saved group's
+    parameters (which ones, by name, is checked when the state loads).
 
     Compares the number of optimizers, each optimizer's parameter groups (and parameters per
     group), and the number of schedulers. Without this check, extra ones are silently left
@@ -321,7 +328,7 @@ def check_optimizer_state_compatible(
             if len(saved_groups) != len(groups):
                 problem = f"optimizer {index} has {len(saved_groups)} parameter group(s) in it, {len(groups)} in this run"
                 break
-            if saved_groups != groups:
+            if saved_groups != groups and not (one_stage and all(mine <= it for mine, it in zip(groups, saved_groups))):
                 problem = f"optimizer {index}'s parameter groups hold {saved_groups} parameters in it, {groups} in this run"
                 break
     if problem is None and len(saved_schedulers) != len(schedulers):

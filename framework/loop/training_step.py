@@ -7,6 +7,7 @@ class that runs each step (``framework/loop/steps/``), and ``TrainingStep.run`` 
 - :class:`~framework.loop.steps.manual.ManualStep` with ``automatic_optimization = False``;
 - :class:`~framework.loop.steps.closure.ClosureStep` with an LBFGS-like optimizer;
 - :class:`~framework.loop.steps.tbptt.TBPTTStep` with ``tbptt_steps``;
+- :class:`~framework.loop.steps.pipeline.PipelineStep` under a pipeline (``pipeline_parallel_size > 1``);
 - :class:`~framework.loop.steps.automatic.AutomaticStep` otherwise.
 """
 
@@ -22,13 +23,14 @@ from framework.loop.steps.automatic import AutomaticStep
 from framework.loop.steps.closure import ClosureStep
 from framework.loop.steps.manual import ManualStep
 from framework.loop.steps.parts import StepParts
+from framework.loop.steps.pipeline import PipelineStep, check_pipeline_module
 from framework.loop.steps.tbptt import TBPTTStep
 from framework.loop.training_state import TrainingProgress
 from framework.metrics.collector import MetricCollector
 from framework.metrics.loss_tracker import LossTracker
 from framework.module import ModuleInterface
 
-StepMode = Union[AutomaticStep, TBPTTStep, ClosureStep, ManualStep]
+StepMode = Union[AutomaticStep, TBPTTStep, ClosureStep, ManualStep, PipelineStep]
 
 
 def step_mode(automatic: bool, closure: bool, tbptt_steps: Optional[int]) -> Type[StepMode]:
@@ -113,7 +115,11 @@ class TrainingStep:
         step's class; ``run`` is then that class's ``run``."""
         self.parts.bind(forward, wrapped, optimizers, schedules, loader_length)
         self._closure = any(isinstance(optimizer, torch.optim.LBFGS) for optimizer in optimizers)
-        self.mode = step_mode(automatic, self._closure, self.parts.args.tbptt_steps)(self.parts)
+        if getattr(self.parts.backend.strategy, "pipelined", False):  # refused before step 1: what a schedule cannot run
+            check_pipeline_module(self.parts.module, self.parts.args, automatic, self._closure)
+            self.mode = PipelineStep(self.parts)
+        else:
+            self.mode = step_mode(automatic, self._closure, self.parts.args.tbptt_steps)(self.parts)
         self.run = self.mode.run
 
     @property

@@ -100,7 +100,11 @@ class MetricRecorder:
     def reduce(self, collected: Mapping[str, Tuple[Any, ...]], agree_on_names: bool = False) -> Dict[str, float]:
         """Collected device values as floats, reduced over ranks."""
         gather = self.backend.all_gather_object if agree_on_names else None  # once per epoch: a rank may have logged nothing
-        return reduce_metrics(collected, self.backend.data_parallel_all_reduce, self.backend.device, gather)
+        reduced = reduce_metrics(collected, self.backend.data_parallel_all_reduce, self.backend.device, gather)
+        strategy: Any = self.backend.strategy
+        if getattr(strategy, "pipelined", False):  # pipeline_loss logs on the last stage: every stage records its values
+            reduced = strategy.from_last_stage(reduced)
+        return reduced
 
     def record(self, metrics: Dict[str, float]) -> None:
         """Add ``metrics`` to the history, the loggers (rank zero) and the ``on_log_metrics`` hooks

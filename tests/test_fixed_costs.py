@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import torch
+
 from toy import ToyModule, toy_args
 
 import framework.checkpoint.retention as retention

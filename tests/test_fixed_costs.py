@@ -4,9 +4,11 @@ What a default run does not use is not imported; nothing runs in a child process
 trains; a save reads no checkpoint back.
 """
 
+import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -143,3 +145,53 @@ def test_a_resumed_run_reads_the_checkpoint_it_resumes_from_once(tmp_path, monke
         "checkpoint-000000048.pt",
     ]
     assert len(loads) == 3  # checkpoint-24 (restored), then 16 and 8 once each; 8 is then deleted
+
+
+def test_the_part_timer_counts_nested_parts_once():
+    """Kills: a breakdown whose parts add up to more than the run (a save inside an epoch end counted
+    in both)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fixed_cost import PartTimer
+
+    class Work:
+        def inner(self):
+            time.sleep(0.05)
+
+        def outer(self):
+            time.sleep(0.05)
+            self.inner()
+
+        def untimed(self):
+            return "ok"
+
+    timer, work = PartTimer(), Work()
+    timer.wrap(work, "inner", lambda *_: "inner")
+    timer.wrap(work, "outer", lambda *_: "outer")
+    timer.wrap(work, "untimed", lambda *_: "")
+    started = time.perf_counter()
+    work.outer()
+    elapsed = time.perf_counter() - started
+    assert work.untimed() == "ok" and "" not in timer.seconds
+    assert timer.calls == {"outer": 1, "inner": 1}
+    assert 0.05 <= timer.seconds["inner"] < 0.1 and 0.05 <= timer.seconds["outer"] < 0.1
+    assert timer.seconds["inner"] + timer.seconds["outer"] <= elapsed
+
+
+def test_the_framework_child_reports_every_part_of_its_run(tmp_path):
+    """Kills: a part of ``train()`` the breakdown stops timing (a method renamed or no longer called:
+    its row would read 0 and its time land in "the rest"), and a first step marked outside training."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from fixed_cost import PARTS
+
+    command = [sys.executable, "benchmarks/fixed_cost.py", "--child", "framework", "--backend", "sp", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "rank0.json") as handle:
+        marks = json.load(handle)
+    parts = {key[5:]: value for key, value in marks.items() if key.startswith("part:")}
+    measured_in_the_child = [part for part in PARTS if part != "process exit (plot join, teardown)"]
+    assert sorted(parts) == sorted(measured_in_the_child)
+    assert [part for part in measured_in_the_child if not parts[part] > 0] == []
+    assert marks["script_start"] < marks["imported"] < marks["train_start"] < marks["first_step"] < marks["train_end"]
+    inside = sum(parts[part] for part in measured_in_the_child[3:])
+    assert abs(inside - marks["train_seconds"]) < 1e-6

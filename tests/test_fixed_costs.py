@@ -192,6 +192,18 @@ def test_the_framework_child_reports_every_part_of_its_run(tmp_path):
     measured_in_the_child = [part for part in PARTS if part != "process exit (plot join, teardown)"]
     assert sorted(parts) == sorted(measured_in_the_child)
     assert [part for part in measured_in_the_child if not parts[part] > 0] == []
+    assert parts["import framework"] > 0.01  # ~175 modules, timed from the first framework import of the process
     assert marks["script_start"] < marks["imported"] < marks["train_start"] < marks["first_step"] < marks["train_end"]
     inside = sum(parts[part] for part in measured_in_the_child[3:])
     assert abs(inside - marks["train_seconds"]) < 1e-6
+
+
+def test_the_hand_written_child_never_imports_the_framework(tmp_path):
+    """Kills: the hand-written loop paying the framework's import (through a shared benchmark helper)."""
+    command = [sys.executable, "benchmarks/fixed_cost.py", "--child", "raw", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    with open(tmp_path / "rank0.json") as handle:
+        marks = json.load(handle)
+    assert marks["framework_imported"] == 0.0
+    assert marks["script_start"] < marks["imported"] < marks["train_start"] < marks["first_step"] < marks["train_end"]

@@ -30,6 +30,13 @@ NOT_FOR_A_DEFAULT_RUN = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
     "torch.distributed.pipelining",
+    *(  # the callbacks a run gets only when asked for (framework/callbacks/__init__.py loads them on first use)
+        f"framework.callbacks.{name}"
+        for name in ("early_stopping", "ema", "swa", "weight_averaging", "lr_monitor", "timer", "terminate_on_nan")
+    ),
+    "framework.callbacks.profiler",  # with TrainerArguments.profiler only
+    "framework.callbacks.throughput",
+    "framework.callbacks.gpu_peaks",
 )
 
 

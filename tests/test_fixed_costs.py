@@ -216,3 +216,35 @@ def test_the_hand_written_child_never_imports_the_framework(tmp_path):
         marks = json.load(handle)
     assert marks["framework_imported"] == 0.0
     assert marks["script_start"] < marks["imported"] < marks["train_start"] < marks["first_step"] < marks["train_end"]
+
+
+def test_the_drawing_runs_at_the_programs_priority_until_a_next_run_trains(tmp_path, monkeypatch):
+    """Kills: the drawing at ``nice`` +10 from its start (a program that ends waits for it at exit:
+    8-24 s at load 15-25, issue 53), and a next run that trains beside it at equal priority."""
+    import framework.metrics.background_plot as background
+
+    sleeping = background.WORKER.replace("spec = importlib", "import time; time.sleep(60)\nspec = importlib", 1)
+    assert sleeping != background.WORKER
+    monkeypatch.setattr(background, "WORKER", sleeping)  # the real worker's start, then a drawing that outlasts the checks
+    Trainer(ToyModule(), toy_args(tmp_path / "first", plot_metrics=True)).train()
+    with background._pending_lock:
+        (drawing,) = background._pending.values()
+    deadline = time.monotonic() + 60
+    while drawing._process is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pid, own = drawing._process.pid, os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == own
+        module, seen = ToyModule(), []
+        real_step = module.train_step
+
+        def step(*arguments):
+            seen.append(os.getpriority(os.PRIO_PROCESS, pid))
+            return real_step(*arguments)
+
+        module.train_step = step
+        Trainer(module, toy_args(tmp_path / "second", plot_metrics=False)).train()
+        assert seen and set(seen) == {max(10, own)}
+    finally:
+        drawing._process.kill()
+        drawing.wait(timeout=60)

@@ -223,14 +223,17 @@ def test_the_drawing_runs_at_the_programs_priority_until_a_next_run_trains(tmp_p
     8-24 s at load 15-25, issue 53), and a next run that trains beside it at equal priority."""
     import framework.metrics.background_plot as background
 
-    sleeping = background.WORKER.replace("spec = importlib", "import time; time.sleep(60)\nspec = importlib", 1)
+    ready = tmp_path / "drawing-ready"  # written by the drawing process once its own start-up is done
+    monkeypatch.setenv("FIXED_COSTS_TEST_READY", str(ready))
+    waits = "open(os.environ['FIXED_COSTS_TEST_READY'], 'w').close(); import time; time.sleep(60)\n"
+    sleeping = background.WORKER.replace("spec = importlib", waits + "spec = importlib", 1)
     assert sleeping != background.WORKER
     monkeypatch.setattr(background, "WORKER", sleeping)  # the real worker's start, then a drawing that outlasts the checks
     Trainer(ToyModule(), toy_args(tmp_path / "first", plot_metrics=True)).train()
     with background._pending_lock:
         (drawing,) = background._pending.values()
     deadline = time.monotonic() + 60
-    while drawing._process is None and time.monotonic() < deadline:
+    while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     pid, own = drawing._process.pid, os.getpriority(os.PRIO_PROCESS, 0)
     try:

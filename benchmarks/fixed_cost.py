@@ -144,7 +144,7 @@ def _raw_child(world: int) -> Dict[str, float]:
     marks["train_start"] = time.time()
     for epoch in range(EPOCHS):
         if distributed:
-            sampler.set_epoch(epoch)  # type: ignore[union-attr]
+            sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         model.train()
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)
@@ -243,7 +243,7 @@ def _framework_child(world: int, backend: str) -> Dict[str, float]:
         timer.wrap(trainer.training_step, "run", lambda *_: "steps")
         return result
 
-    trainer.training_setup.build = build
+    trainer.training_setup.build = build  # type: ignore[method-assign]
     timer.wrap(trainer.training_setup, "build", lambda *_: "build: loader, wrapped module, optimizers")
     marks["train_start"] = time.time()
     start = time.perf_counter()
@@ -346,8 +346,8 @@ def report(results: Dict[tuple, List[Dict[str, Any]]], sizes: List[int], repeats
         difference = _median(own, "first step") - _median(raw, "first step")
         paired = statistics.median(a["first step"] - b["first step"] for a, b in zip(own, raw))
         verdict = "met" if paired <= 0.5 else "not met"
-        cells = f"{_median(raw, 'first step'):.3f} | {_median(own, 'first step'):.3f} | {difference:+.3f} | {paired:+.3f}"
-        print(f"| {label(size)} | {cells} | {verdict} |")
+        row = f"{_median(raw, 'first step'):.3f} | {_median(own, 'first step'):.3f} | {difference:+.3f} | {paired:+.3f}"
+        print(f"| {label(size)} | {row} | {verdict} |")
     print("\n## The whole process, s (hand-written / framework)\n")
     print("| run | interpreter + import torch | set-up before training | train call | exit | whole process | ratio |")
     print("|---|---|---|---|---|---|---|")

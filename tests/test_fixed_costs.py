@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from toy import ToyModule, toy_args
@@ -66,7 +65,6 @@ def test_import_framework_leaves_what_a_default_run_does_not_use_unimported():
     assert imported == [], f"import framework imported {imported}"
 
 
-@pytest.mark.slow  # a fresh process that trains, saves and waits for its drawing at exit: 5-10 s quiet, 48 s at load 13
 def test_a_default_training_process_never_imports_them(tmp_path):
     """Kills: a default run importing them on first use (the plot drawn in the training process, a
     YAML library for config.yaml, fsspec for a local output_dir, DCP for a single-process save)."""

@@ -5,19 +5,38 @@ Example:
     >>> callbacks = [EarlyStopping(monitor="val_loss", patience=3), LearningRateMonitor()]
 """
 
+import importlib
+from typing import Any, List
+
 from framework.callbacks.base import Callback, StopTraining
-from framework.callbacks.early_stopping import EarlyStopping
-from framework.callbacks.ema import EMA
-from framework.callbacks.lr_monitor import LearningRateMonitor
-from framework.callbacks.metrics_plot import MetricsPlot
-from framework.callbacks.model_summary import ModelSummary
-from framework.callbacks.profiler import TorchProfiler
-from framework.callbacks.progress import ProgressBar
-from framework.callbacks.swa import SWA
-from framework.callbacks.terminate_on_nan import TerminateOnNaN
-from framework.callbacks.throughput import Throughput
-from framework.callbacks.timer import Timer
-from framework.callbacks.weight_averaging import WeightAveraging
+
+# Loaded on first use (issue 53): a default run uses none of these, and ``import framework`` need not
+# compile and run their modules. ``from framework.callbacks import EarlyStopping`` works as before.
+_LAZY = {
+    "EarlyStopping": "framework.callbacks.early_stopping",
+    "EMA": "framework.callbacks.ema",
+    "LearningRateMonitor": "framework.callbacks.lr_monitor",
+    "MetricsPlot": "framework.callbacks.metrics_plot",
+    "ModelSummary": "framework.callbacks.model_summary",
+    "TorchProfiler": "framework.callbacks.profiler",
+    "ProgressBar": "framework.callbacks.progress",
+    "SWA": "framework.callbacks.swa",
+    "TerminateOnNaN": "framework.callbacks.terminate_on_nan",
+    "Throughput": "framework.callbacks.throughput",
+    "Timer": "framework.callbacks.timer",
+    "WeightAveraging": "framework.callbacks.weight_averaging",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'framework.callbacks' has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "EMA",

@@ -5,9 +5,7 @@ from typing import TYPE_CHECKING, List, Sequence
 from framework.callbacks.base import Callback
 from framework.callbacks.metrics_plot import MetricsPlot, plots_by_default
 from framework.callbacks.model_summary import ModelSummary
-from framework.callbacks.profiler import TorchProfiler
 from framework.callbacks.progress import ProgressBar
-from framework.callbacks.throughput import Throughput
 
 if TYPE_CHECKING:  # pragma: no cover
     from framework.config.arguments import TrainerArguments
@@ -37,10 +35,14 @@ def with_default_callbacks(callbacks: Sequence[Callback], args: "TrainerArgument
         defaults.append(ModelSummary())
     if not args.disable_tqdm and not any(isinstance(callback, ProgressBar) for callback in given):
         defaults.append(ProgressBar())
-    if args.profiler != "off" and not any(isinstance(callback, Throughput) for callback in given):
-        defaults.append(Throughput())
-    if args.profiler == "torch" and not any(isinstance(callback, TorchProfiler) for callback in given):
-        defaults.append(TorchProfiler())
+    if args.profiler != "off":  # imported here: a run without the profiler never loads them
+        from framework.callbacks.profiler import TorchProfiler
+        from framework.callbacks.throughput import Throughput
+
+        if not any(isinstance(callback, Throughput) for callback in given):
+            defaults.append(Throughput())
+        if args.profiler == "torch" and not any(isinstance(callback, TorchProfiler) for callback in given):
+            defaults.append(TorchProfiler())
     if plots_by_default(args.plot_metrics) and not any(isinstance(callback, MetricsPlot) for callback in given):
         defaults.append(MetricsPlot())
     return defaults + given

@@ -368,6 +368,9 @@ class DefaultCheckpointer(AbstractCheckpointer):
                 logger.info("no checkpoint in %s: starting fresh", self.args.load_dir or self.save_dir)
             return None
         self.resumed_own_run = storage.same_location(loaded_directory(self.loaded_from), self.save_dir)
+        if self.resumed_own_run and self.loaded_from is not None:  # whose it is, known: retention does not read it again
+            saved_id = checkpoint.trainer_state.get("run_id") if isinstance(checkpoint.trainer_state, dict) else None
+            remember_run_id(self._fs, storage.join(self._dir, basename(self.loaded_from)), saved_id)
         score = checkpoint.metrics.get(self.args.metric)
         if self.resumed_own_run and score is not None:
             self._scores.record(checkpoint_name(checkpoint.global_step, self.strategy.checkpoint_suffix), score)

@@ -17,6 +17,7 @@ from framework.loop.checkpoint_manager import CheckpointManager
 from framework.loop.stopping import StopConditions
 from framework.loop.training_setup import TrainingSetup
 from framework.loop.training_state import TrainingProgress
+from framework.metrics.background_plot import lower_pending_priority
 from framework.metrics.recorder import MetricRecorder
 from framework.module import ModuleInterface
 from framework.run.finished_run import changed_settings, log_nothing_to_do
@@ -68,6 +69,7 @@ class RunStart:
         """Claim the directories and build (each call); restore and search (the first call only);
         then start the loggers, write ``config.yaml`` and start the clock."""
         args, first_start = self.args, not self.started
+        lower_pending_priority()  # an earlier run's metrics.png drawing yields the CPU to this run
         if not args.fast_dev_run:  # another run's output_dir: train in version_<N>; a second live run stops here
             if first_start:
                 self.run_claim.move_if_taken()  # the recorder's loggers follow output_dir when they start

@@ -1,8 +1,10 @@
 """Draw ``metrics.png`` in a process of its own, off ``train()``'s critical path.
 
 The drawing process starts when training has ended, never during it (it imports matplotlib,
-about 0.3 s of the 0.5 s a plot costs: on a small machine it would compete with training), at a
-lowered priority (``nice`` +10: a next ``train()`` in the same program keeps the CPU first). The
+about 0.3 s of the 0.5 s a plot costs: on a small machine it would compete with training), at the
+program's priority (a program that ends waits for it at exit: at ``nice`` +10 on a busy machine
+that wait grew to 8-24 s, issue 53); a next ``train()`` in the same program lowers it to ``nice``
++10 before its first step (:func:`lower_pending_priority`: that run keeps the CPU first). The
 trainer hands it ``metrics.csv``'s text (so a next run may rewrite the file at once) and returns.
 A thread waits for the process and logs the outcome: ``metrics plot: PATH``, or a warning naming
 the error (never an exception in the run). Pending drawings are joined before the interpreter
@@ -12,6 +14,7 @@ the entry ``-c`` puts first before its first import.
 """
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +27,7 @@ logger = logging.getLogger("framework.callbacks.metrics_plot")
 
 PLOT_MODULE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plot.py")
 
-# The drawing process: removes the working directory from its path, lowers its priority, loads
+# The drawing process: removes the working directory from its path, loads
 # plot.py by path (no ``import framework``: torch stays out of it), then reads one job: a length
 # line, then that many bytes of JSON. A length read from the pipe, not its end: a DataLoader worker
 # forked meanwhile keeps the pipe open.
@@ -33,8 +36,6 @@ import sys
 if sys.path and sys.path[0] in ("", "."):  # ``-c`` put the working directory first: nothing is imported from it
     del sys.path[0]
 import importlib.util, json, os
-if hasattr(os, "nice"):
-    os.nice(10)
 spec = importlib.util.spec_from_file_location("_framework_metrics_plot", sys.argv[1])
 plot = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot)
@@ -76,6 +77,16 @@ class BackgroundPlot:
         self.error: Optional[str] = None
         """Why the drawing failed (None: it did not)."""
         self._thread: Optional[threading.Thread] = None
+        self._process: Optional[subprocess.Popen[bytes]] = None
+        self._lowered = False
+
+    def lower_priority(self) -> None:
+        """Run the drawing at ``nice`` +10 from now on (a next run trains): at once where its process
+        is alive, as soon as it starts where it has not yet."""
+        self._lowered = True
+        process = self._process
+        if process is not None and process.poll() is None:
+            _lower(process.pid)
 
     def draw(self, csv_path: str) -> None:
         """Draw ``csv_path``'s metrics (read here, so the file is free at once) in the background."""
@@ -132,6 +143,9 @@ class BackgroundPlot:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
+        self._process = process
+        if self._lowered:
+            _lower(process.pid)
         payload = json.dumps(job).encode()
         try:
             _, errors = process.communicate(b"%d\n" % len(payload) + payload, timeout=self.timeout)
@@ -163,6 +177,25 @@ def wait_for_plots(output: Optional[str] = None, timeout: Optional[float] = None
         drawings = [drawing for drawing in drawings if os.path.abspath(drawing.output) == os.path.abspath(output)]
     drawn = [drawing.wait(timeout) for drawing in drawings]
     return [path for path in drawn if path is not None]
+
+
+def lower_pending_priority() -> None:
+    """Lower every pending drawing of this process to ``nice`` +10: a run about to train keeps the
+    CPU first (called by ``train()`` before its first step).
+
+    Example:
+        >>> lower_pending_priority()  # no drawing pending: nothing to do
+    """
+    with _pending_lock:
+        drawings = list(_pending.values())
+    for drawing in drawings:
+        drawing.lower_priority()
+
+
+def _lower(pid: int) -> None:
+    """``nice`` +10 for process ``pid`` (never raised back: a lower niceness needs privileges)."""
+    with contextlib.suppress(OSError, AttributeError):  # gone already, or not POSIX
+        os.setpriority(os.PRIO_PROCESS, pid, max(10, os.getpriority(os.PRIO_PROCESS, pid)))
 
 
 atexit.register(wait_for_plots)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from backends import TrainerBackend, register_backend
 from backends.registry import _registry
-from framework.conformance.models import FEATURES, WIDTH, KitNet
+from framework.conformance.models import FEATURES, WIDTH, KitNet, make_data
 from framework.conformance.registry import register_model
 
 PIPELINE_LAYOUTS: Dict[int, Dict[str, Any]] = {2: {"pipeline_parallel_size": 2}, 4: {"pipeline_parallel_size": 2}}
@@ -78,6 +78,12 @@ class Pipelined(KitNet):
     ``pipeline_inputs`` / ``pipeline_loss`` for a pipeline, ``train_step`` (the same loss) everywhere else.
     Under 2 stages the first holds ``embed`` and blocks 0-1, the last blocks 2-3 and ``head``; ``forward``
     runs the parts a stage holds. Every stage records the samples it read and the dtype it computes in."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        # 20 validation samples (5 batches of 4): every share of a split over 2 ranks, right or wrong, reads as many
+        # batches of the same shapes, so a fault in the split shows in the values, not as a hang
+        self.val_data = make_data(20, seed=2)
 
     def build(self) -> None:
         self.embed = torch.nn.Linear(FEATURES, WIDTH)

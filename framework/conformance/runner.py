@@ -192,8 +192,18 @@ def shapes_of(backend: str, cells: Sequence[Cell]) -> List[Cell]:
         >>> shapes_of("fsdp-pp", [("automatic", "mlp"), ("automatic", "pipeline")]), shapes_of("fsdp", [("automatic", "mlp")])
         ([('automatic', 'pipeline')], [('automatic', 'mlp')])
     """
-    shapes = getattr(build_backend(backend), "conformance_shapes", None)
+    shapes = declared_shapes(backend)
     return [cell for cell in cells if cell[1] in shapes] if shapes else list(cells)
+
+
+def declared_shapes(backend: str) -> Optional[List[str]]:
+    """The shapes ``backend`` declares it trains (``TrainerBackend.conformance_shapes``), or None: every one.
+    A backend not registered here (a plugin its ranks import) declares none."""
+    try:
+        shapes = getattr(build_backend(backend), "conformance_shapes", None)
+    except ValueError:
+        return None
+    return list(shapes) if shapes else None
 
 
 def checked_world_sizes(backend: str, multi: bool, cells: Sequence[Cell], world_sizes: Optional[Sequence[int]]) -> List[int]:

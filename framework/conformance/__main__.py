@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from framework.conformance.matrix import Cell, all_cells, quick_cells, sized_cells, targeted_cells
 from framework.conformance.registry import FEATURES, MODELS
-from framework.conformance.runner import _renamed, conformance, format_table, declared_shapes, import_plugin, shapes_of
+from framework.conformance.runner import _renamed, conformance, declared_shapes, format_table, import_plugin, shapes_of
 
 
 def _names(text: Optional[str]) -> Optional[List[str]]:

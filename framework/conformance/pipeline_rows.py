@@ -136,5 +136,5 @@ class Pipelined(KitNet):
         return [torch.optim.SGD(weights, lr=0.2, momentum=0.9), torch.optim.Adam(biases, lr=0.01)], []
 
     def invariants(self) -> List[Tuple[str, bool, str]]:
-        held = len([p for p in self.parameters()])
+        held = len(list(self.parameters()))
         return [("holds parameters", held > 0, f"{held} parameter tensor(s) on this stage")]

@@ -210,9 +210,9 @@ class PipelineParallel:
         self.build_model(module)  # type: ignore[attr-defined]  # on meta: nothing allocated for the other stages
         stages = self.stage_names(target)
         order = meta_built(target)  # the whole model's draw order: each stage starts from sp's values
+        self._broadcast_from_rank_zero(target)  # before the cut: every stage starts from rank zero's weights
         keep_stage(target, stages[self.pipeline_rank])
         logger.debug("rank %d: pipeline stage %d holds %s", self.rank, self.pipeline_rank, stages[self.pipeline_rank])
-        self._broadcast_within_stage(target)
         if split is not None:
             split(target)
         stage = StageModule(target)
@@ -232,16 +232,17 @@ class PipelineParallel:
         self._runners = {}
         return module
 
-    def _broadcast_within_stage(self, module: torch.nn.Module) -> None:
-        """The stage's ranks start from its first rank's weights (tensors built normally; meta ones are drawn alike)."""
-        if self.pipeline_mesh is None or self.ranks_per_stage == 1:
+    def _broadcast_from_rank_zero(self, module: torch.nn.Module) -> None:
+        """Every rank starts from rank zero's weights, as DDP and FSDP do: called on the whole model before the
+        cut, so stage ``s`` gets the values rank zero built for its parts, not its own rank's (tensors built
+        normally; meta ones are drawn alike from the run's seed by :func:`materialize_stage`)."""
+        if self.pipeline_mesh is None:
             return
-        group = self.pipeline_mesh.get_group(STAGE_DIM)
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 if not tensor.is_meta:
                     data = torch.view_as_real(tensor.data) if tensor.is_complex() else tensor.data
-                    dist.broadcast(data, group=group, group_src=0)
+                    dist.broadcast(data, src=0)
 
     def pipeline_runner(
         self, micro_batches: int, loss: Callable[[Any, Any], torch.Tensor], inputs: Sequence[Any] = ()

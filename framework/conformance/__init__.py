@@ -13,6 +13,7 @@ from framework.conformance import (  # noqa: F401
     features_resume,
     features_scaling,
     features_training,
+    pipeline_rows,
     zoo,
     zoo_layouts,
 )

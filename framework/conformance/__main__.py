@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from framework.conformance.matrix import Cell, all_cells, quick_cells, sized_cells, targeted_cells
 from framework.conformance.registry import FEATURES, MODELS
-from framework.conformance.runner import _renamed, conformance, format_table, import_plugin
+from framework.conformance.runner import _renamed, conformance, declared_shapes, format_table, import_plugin, shapes_of
 
 
 def _names(text: Optional[str]) -> Optional[List[str]]:
@@ -58,6 +58,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("name a backend, or --mutants")
     features = _names(options.features) or (_renamed(_names(options.checks) or []) or None)
     models = _names(options.models)
+    if (features or options.all) and not models:  # a backend that trains only some shapes (a pipeline row) gets those
+        models = declared_shapes(options.backend)
     if options.all:
         cells: Optional[List[Cell]] = all_cells(features, models)
     else:  # the default: the quick subset and (conformance's own default) the cells the shapes target on the backend
@@ -67,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError:
         parser.error(f"--ranks {options.ranks}: allowed: comma-separated integers >= 1, e.g. 1,2 or 4")
     if sizes:  # exactly the sizes asked: a cell that runs at none of them is not run at another size instead
-        chosen = cells if cells is not None else quick_cells() + targeted_cells(options.backend)
+        chosen = cells if cells is not None else shapes_of(options.backend, quick_cells() + targeted_cells(options.backend))
         cells = sized_cells(chosen, sizes) or chosen  # none left: conformance refuses, naming the sizes the cells run at
     try:
         rows = conformance(

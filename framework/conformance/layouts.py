@@ -14,7 +14,8 @@ the 2x2 layout its options allow, read from the options the strategy takes
 
 Every layout reads 4 (or 2, under ``model-parallel``) data-parallel shares, so the reference is
 still ``sp`` on the whole batch. A backend that wants another layout at some world size declares
-it (``TrainerBackend.conformance_layouts = {4: {"tensor_parallel_size": 4}}``).
+it (``TrainerBackend.conformance_layouts = {4: {"tensor_parallel_size": 4}}``): the pipeline rows
+(``fsdp-pp``, :mod:`framework.conformance.pipeline_rows`) declare ``pipeline_parallel_size=2`` at 2 and 4 ranks.
 """
 
 from typing import Any, Dict
@@ -60,8 +61,15 @@ def describe_layout(backend: str, world_size: int) -> str:
     Example:
         >>> describe_layout("fsdp", 4), describe_layout("model-parallel", 4), describe_layout("ddp", 4)
         ('HSDP 2x2', 'dp 2 x tp 2', '')
+        >>> import framework.conformance  # registers the pipeline rows
+        >>> describe_layout("fsdp-pp", 2), describe_layout("fsdp-pp", 4)
+        ('pp 2', 'pp 2 x dp 2')
     """
     options = layout_options(backend, world_size)
+    stages = int(options.get("pipeline_parallel_size", 1) or 1)
+    if stages > 1:  # a pipeline row (framework/conformance/pipeline_rows.py): pp outermost
+        rest = world_size // stages
+        return f"pp {stages}" + (f" x dp {rest}" if rest > 1 else "")
     if "tensor_parallel_size" in options:
         tp = options["tensor_parallel_size"]
         return f"dp {world_size // tp} x tp {tp}"

@@ -14,9 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from backends import build_backend
 from framework.conformance.checks import Cell, Context, run_cells
 from framework.conformance.compare import Row
-from framework.conformance.matrix import quick_cells, runs_at
+from framework.conformance.matrix import quick_cells, runs_at, targeted_cells
 from framework.conformance.mutants import MUTANTS, Mutant
 from framework.conformance.ranks import run_jobs
 from framework.conformance.runner import (
@@ -24,6 +25,7 @@ from framework.conformance.runner import (
     judge_cells,
     reference_backend,
     reference_observations,
+    shapes_of,
 )
 
 MUTANTS_MODULE = "framework.conformance.mutants"
@@ -80,9 +82,8 @@ def cells_of(mutant: Mutant, every: bool) -> List[Tuple[Cell, int]]:
     if not every:
         return declared
     sizes = sorted({ranks for _, _, ranks in mutant.kills})
-    quick = [
-        (cell, ranks) for ranks in sizes for cell in quick_cells() if runs_at(*cell, ranks) and cell[0] != "world_size_change"
-    ]
+    chosen = shapes_of(mutant.name, quick_cells() + targeted_cells(control_of(mutant.name)))  # a pipeline row: its shape's
+    quick = [(cell, ranks) for ranks in sizes for cell in chosen if runs_at(*cell, ranks) and cell[0] != "world_size_change"]
     return quick + [entry for entry in declared if entry not in quick]
 
 
@@ -120,7 +121,8 @@ def run_mutants(
     observed: Dict[Tuple[str, int], List[Dict]] = {}
     jobs = []
     for (backend, ranks), cells in wanted.items():
-        context = Context(backend, os.path.join(workdir, backend, f"ranks{ranks}"), shared=workdir)
+        declared = build_backend(backend).declared_unsupported_features  # such a cell must be refused before step 1
+        context = Context(backend, os.path.join(workdir, backend, f"ranks{ranks}"), shared=workdir, declared=declared)
         if ranks == 1:
             observed[(backend, ranks)] = [run_cells(context, cells)]
         else:

@@ -149,7 +149,7 @@ def conformance(
         import_plugin(name)
     if cells is None:  # the quick subset, and the cells the targeted shapes add on this backend
         quick = quick_cells(_renamed(names) if names else None)
-        cells = quick + ([cell for cell in targeted_cells(backend) if cell not in quick] if not names else [])
+        cells = shapes_of(backend, quick + ([cell for cell in targeted_cells(backend) if cell not in quick] if not names else []))
     cells = list(cells)
     instance = build_backend(backend)
     declared = instance.declared_unsupported_features
@@ -181,6 +181,29 @@ def conformance(
             ranks = run_ranks(context, sized, list(imports), world_size, timeout)
         rows += judge_cells(backend, sized, ranks, reference, world_size, lower, own_dtype)
     return rows
+
+
+def shapes_of(backend: str, cells: Sequence[Cell]) -> List[Cell]:
+    """``cells`` with only the shapes ``backend`` declares it trains (``conformance_shapes``: a pipeline
+    row trains only a shape that defines ``pipeline_inputs``/``pipeline_loss``); all of them when it declares none.
+
+    Example:
+        >>> import framework.conformance  # registers the pipeline rows
+        >>> shapes_of("fsdp-pp", [("automatic", "mlp"), ("automatic", "pipeline")]), shapes_of("fsdp", [("automatic", "mlp")])
+        ([('automatic', 'pipeline')], [('automatic', 'mlp')])
+    """
+    shapes = declared_shapes(backend)
+    return [cell for cell in cells if cell[1] in shapes] if shapes else list(cells)
+
+
+def declared_shapes(backend: str) -> Optional[List[str]]:
+    """The shapes ``backend`` declares it trains (``TrainerBackend.conformance_shapes``), or None: every one.
+    A backend not registered here (a plugin its ranks import) declares none."""
+    try:
+        shapes = getattr(build_backend(backend), "conformance_shapes", None)
+    except ValueError:
+        return None
+    return list(shapes) if shapes else None
 
 
 def checked_world_sizes(backend: str, multi: bool, cells: Sequence[Cell], world_sizes: Optional[Sequence[int]]) -> List[int]:

@@ -12,6 +12,7 @@ from framework.conformance.mutants import (  # noqa: F401
     data,
     layouts,
     meshes,
+    pipeline,
     precision,
     probes,
     sharded,

@@ -87,7 +87,7 @@ class Pipelined(KitNet):
 
     def build(self) -> None:
         self.embed = torch.nn.Linear(FEATURES, WIDTH)
-        self.blocks = torch.nn.ModuleDict({str(index): torch.nn.Linear(WIDTH, WIDTH) for index in range(4)})
+        self.blocks = torch.nn.ModuleDict({str(index): torch.nn.Linear(WIDTH, WIDTH) for index in range(4)})  # type: ignore[assignment]
 
     @property
     def expected_units(self) -> int:  # type: ignore[override]
@@ -96,7 +96,7 @@ class Pipelined(KitNet):
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.embed(x)) if self.embed is not None else x
-        for block in self.blocks.values():
+        for block in self.blocks.values():  # type: ignore[operator]
             h = torch.tanh(block(h))
         return h
 

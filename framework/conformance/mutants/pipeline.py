@@ -85,7 +85,9 @@ class LastMicroBatchUnscaled(FSDP):
             schedule = self.pipeline_schedule if micro_batches >= self.pipeline_parallel_size else "GPipe"
             group = self.pipeline_group()
             stage, stages = self.pipeline_rank, self.pipeline_parallel_size
-            runner = LastUnscaledRunner(self.stage_module, stage, stages, self.device, group, schedule, micro_batches, loss)
+            stage_module = self.stage_module
+            assert stage_module is not None, "the stage is cut before its first step"
+            runner = LastUnscaledRunner(stage_module, stage, stages, self.device, group, schedule, micro_batches, loss)
             key = (micro_batches, tuple(tuple(getattr(tensor, "shape", ())) for tensor in inputs))
             self._runners[key] = runner
         return runner

@@ -95,13 +95,18 @@ def _children() -> list:
 def test_no_child_process_is_alive_while_the_run_trains(tmp_path):
     """Kills: any process started beside the training (issue 53: the drawing process started with
     training and imported matplotlib on a 2-core machine; a program training many times had 7 of
-    them alive at once). At the defaults: plot, progress bar, checkpoints, validation."""
+    them alive at once). At the defaults: plot, progress bar, checkpoints, validation. Processes that
+    earlier tests left running (a drawing of theirs, a storage server) are not this run's."""
+    from framework.metrics.background_plot import wait_for_plots
+
+    wait_for_plots(timeout=120)
+    before = set(_children())
     module = ToyModule()
     seen = []
     real_step = module.train_step
 
     def step(*arguments):
-        seen.append(_children())
+        seen.append(sorted(set(_children()) - before))
         return real_step(*arguments)
 
     module.train_step = step
@@ -110,8 +115,6 @@ def test_no_child_process_is_alive_while_the_run_trains(tmp_path):
     Trainer(module, args).train()
     assert len(seen) == 3 * 8
     assert [pids for pids in seen if pids] == []
-    from framework.metrics.background_plot import wait_for_plots
-
     assert wait_for_plots(timeout=120) == [str(tmp_path / "run" / "metrics.png")]  # the plot was drawn, after training
 
 

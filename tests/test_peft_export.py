@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
+from tiny_llama import TINY_LLAMA
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from distributed import run_ranks
@@ -23,18 +24,7 @@ from framework import Trainer
 from framework.integrations.transformers import PretrainedModule
 
 TOKENS = torch.randint(0, 64, (32, 12), generator=torch.Generator().manual_seed(0))
-CONFIG = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    max_position_embeddings=16,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=0,
-)
+CONFIG = TINY_LLAMA
 
 
 def stack(examples):

@@ -10,6 +10,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_llama import TINY_LLAMA
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from distributed import run_ranks
@@ -219,18 +220,7 @@ def llama() -> TensorParallelLlama:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
+    config = LlamaConfig(**TINY_LLAMA)
     data = [{"input_ids": row, "labels": row} for row in TOKENS]
     return TensorParallelLlama(LlamaForCausalLM(config), data, data[:8], collate_fn=stack, learning_rate=3e-3)
 

@@ -339,3 +339,46 @@ def test_gan_on_two_fsdp_ranks_matches_a_plain_loop(tmp_path):
     assert rank0["adam_states"] == [4, 4]  # both Adams hold state for their 4 parameters
     difference = (torch.tensor(rank0["params"]) - plain_gan_loop(world_size=2)).abs().max().item()
     assert difference <= 1e-5, difference
+
+
+class TwoStepsOneBatch(TwoLossesOneGraph):
+    """Two optimizer steps per batch, the second forward after the first step (as a GAN's
+    discriminator sees the generator it just stepped): under autocast, the second forward must
+    compute with the stepped weights, not the bf16 copies autocast cached before the step."""
+
+    def train_step(self, global_step, batch, device):
+        optimizer = self.optimizers()
+        first = self.net(batch[0]).float().pow(2).mean()
+        self.manual_backward(first)
+        optimizer.step()
+        optimizer.zero_grad()
+        second = (self.net(batch[0]).float() - 1).pow(2).mean()
+        self.manual_backward(second)
+        optimizer.step()
+        optimizer.zero_grad()
+        return second.detach()
+
+
+def test_a_forward_after_a_manual_step_under_autocast_sees_the_stepped_weights(tmp_path):
+    """sp-amp against a hand-written loop with one autocast region per forward (torch's advice);
+    autocast's weight cache, kept until its region ends, made the second forward compute with the
+    weights before the step (and fsdp-amp, which gathers fresh weights, drift 10x from sp-amp)."""
+    seed_everything(0)
+    args = TrainerArguments(epochs=2, train_batch_size=8, seed=0, disable_tqdm=True, output_dir=str(tmp_path), backend="sp-amp")
+    trainer = Trainer(TwoStepsOneBatch(), args)
+    trainer.train()
+
+    seed_everything(0)
+    module = TwoStepsOneBatch()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    sampler = ResumableSampler(module.data, shuffle=True, seed=0)
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for (x,) in DataLoader(module.data, batch_size=8, sampler=sampler):
+            for target in (0.0, 1.0):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    output = module.net(x)
+                (output.float() - target).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert torch.equal(flat_parameters(trainer.module), flat_parameters(module))

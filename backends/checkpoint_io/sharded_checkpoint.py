@@ -239,6 +239,7 @@ def load(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     distributed: bool = False,
     one_stage: bool = False,
+    agree: Optional[Callable[[Optional[BaseException]], None]] = None,
 ) -> Dict[str, Any]:
     """Read the sharded checkpoint directory ``path``.
 
@@ -250,6 +251,11 @@ def load(
     get theirs created first, and optimizer tensors ``target()`` lacks are not restored.
     Without: full CPU tensors, in this process alone (no process group needed).
 
+    ``agree`` (with ``target`` on several ranks): called on every rank with what this rank's
+    local checks raised (None: nothing) once every check is done and before the collective read;
+    it raises on every rank when any rank failed, so no rank enters DCP's collectives alone (one
+    stage's optimizer state of another shape would otherwise leave its peer waiting there).
+
     Raises:
         FileNotFoundError: there is no directory at ``path``.
         CorruptCheckpoint: unfinished, damaged, or unreadable by DCP.
@@ -258,22 +264,30 @@ def load(
     """
     fs, directory = fsspec.core.url_to_fs(path)
     directory = directory.rstrip("/")
-    verified = _just_verified.pop(path, None)  # verify() ran just before, on this rank: every file is hashed once
-    rest, metadata = verified if verified is not None else _verified_state(fs, directory, path, io)
-    paths = marker_paths(rest)
+    problem: Optional[BaseException] = None
+    try:  # local checks only, up to the agreement: a collective here could meet another rank's raise
+        verified = _just_verified.pop(path, None)  # verify() ran just before, on this rank: every file is hashed once
+        rest, metadata = verified if verified is not None else _verified_state(fs, directory, path, io)
+        paths = marker_paths(rest)
+        if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
+            initialize_optimizer_state(optimizers)
+        available = split_sharded(_in_layout_of(rest, target()))[0] if target is not None else {}
+        missing = [key for key in paths if key.startswith("module/") and key not in available]
+        if target is not None and missing and not one_stage:
+            raise ValueError(
+                f"the checkpoint holds tensors this run's module does not have: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; load it into the same model"
+            )
+        if target is not None:
+            _check_shapes(metadata, {key: available[key] for key in paths if key in available}, fs.unstrip_protocol(directory))
+    except Exception as error:
+        problem = error
+    if agree is not None and target is not None and distributed:
+        agree(problem)
+    if problem is not None:
+        raise problem
     reader = dcp_reader.reader(fs, directory, metadata)  # serves the checked index, reads tensors only
     planner = dcp_reader.TensorOnlyPlanner
-    if target is not None and optimizers and any(key.startswith("trainer/optimizers/") for key in paths):
-        initialize_optimizer_state(optimizers)
-    available = split_sharded(_in_layout_of(rest, target()))[0] if target is not None else {}
-    missing = [key for key in paths if key.startswith("module/") and key not in available]
-    if target is not None and missing and not one_stage:
-        raise ValueError(
-            f"the checkpoint holds tensors this run's module does not have: {missing[:5]}"
-            f"{' ...' if len(missing) > 5 else ''}; load it into the same model"
-        )
-    if target is not None:
-        _check_shapes(metadata, {key: available[key] for key in paths if key in available}, fs.unstrip_protocol(directory))
     try:
         with _single_process_quietly():
             if target is None:  # full tensors, sized from the DCP index

@@ -17,6 +17,7 @@ from backends.data.samplers import interleave_ranks
 from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
 from backends.strategies.buffers import broadcast_buffers
+from backends.strategies.ddp_ready_order import reduce_in_ready_order
 from backends.strategies.ddp_wrap_options import check_wrap_options
 from backends.strategies.strategy import _NO_CONTEXT, Strategy
 
@@ -232,7 +233,10 @@ class DDP(Strategy):
         if not self.distributed:
             return module
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=self.find_unused_parameters, **extra)
+        unused = self.find_unused_parameters
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, find_unused_parameters=unused, **extra)
+        reduce_in_ready_order(wrapped)  # a resumed run on more than 2 ranks sums its gradients as the run it continues
+        return wrapped
 
     def inference(self, module: torch.nn.Module) -> ContextManager:
         """Evaluate on rank zero's buffers (see :mod:`backends.strategies.buffers`): DDP broadcast them at the

@@ -7,7 +7,7 @@ Process-group handling, samplers and collectives are the DDP strategy's.
 
 import contextlib
 import logging
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -334,7 +334,9 @@ class FSDP(PipelineParallel, DDP):
                 "sharded checkpoint directories: resume it with the backend that wrote it, or load its weights with "
                 "framework.checkpoint.load_weights"
             )
-        return sharded_checkpoint.load(path, io, target, optimizers, distributed=self.distributed, one_stage=self.pipelined)
+        return sharded_checkpoint.load(
+            path, io, target, optimizers, distributed=self.distributed, one_stage=self.pipelined, agree=self._raise_on_every_rank
+        )
 
     def _agree_readable(self, path: str, io: CheckpointIO) -> None:
         """Every rank checks ``path`` alone (no collective); a problem on any rank is raised on every
@@ -353,10 +355,27 @@ class FSDP(PipelineParallel, DDP):
             raise problem
         for rank, (rank_sharded, failure) in enumerate(found):
             if failure is not None:
-                kind = {"CorruptCheckpoint": CorruptCheckpoint, "CheckpointRefused": CheckpointRefused}.get(failure[0], OSError)
-                raise kind(f"rank {rank} cannot read it: {failure[0]}: {failure[1]}")
+                raise _of_the_same_kind(rank, failure, OSError)
             if rank_sharded != sharded:
                 raise CorruptCheckpoint(f"rank {rank} sees {'a directory' if rank_sharded else 'no directory'} at {path}")
+
+    def _raise_on_every_rank(self, problem: Optional[BaseException], otherwise: type = RuntimeError) -> None:
+        """Raise on every rank when any rank has a ``problem`` reading a checkpoint (collective):
+        this rank's own, or one of the same kind naming the rank that had it (a damaged checkpoint
+        is then skipped by every rank together; ``otherwise``: the kind of any other failure)."""
+        found = self.all_gather_object(None if problem is None else (type(problem).__name__, str(problem)))
+        if problem is not None:
+            raise problem
+        for rank, failure in enumerate(found):
+            if failure is not None:
+                raise _of_the_same_kind(rank, failure, otherwise)
+
+
+def _of_the_same_kind(rank: int, failure: Tuple[str, str], otherwise: type) -> BaseException:
+    """Another rank's checkpoint-read ``failure`` (its type's name, its text) raised here: a damaged
+    or refused checkpoint as such (every rank then skips or refuses it alike), any other as ``otherwise``."""
+    kind = {"CorruptCheckpoint": CorruptCheckpoint, "CheckpointRefused": CheckpointRefused}.get(failure[0], otherwise)
+    return kind(f"rank {rank} cannot read it: {failure[0]}: {failure[1]}")
 
 
 def _batch_norms(module: torch.nn.Module, units: Sequence[torch.nn.Module]) -> "list[torch.nn.Module]":

@@ -122,7 +122,9 @@ def _exact(ranks: List[Dict[str, Any]], reference: Dict[str, Any], key: str) -> 
     if passed:
         return True, f"{key}={str(got[0])[:60]}"
     if not got:
-        return False, f"{key} missing (rank 0)"
+        scenario = key.partition(":")[0]  # a resume scenario that failed holds its error instead of its keys
+        error = next((rank[scenario] for rank in ranks if isinstance(rank.get(scenario), str)), None)
+        return False, f"{scenario}: {error}" if error else f"{key} missing (rank 0)"
     index, value = next((index, value) for index, value in enumerate(got) if value != want)
     where = f" on rank {index}" if index else ""
     if isinstance(value, (list, tuple)) and isinstance(want, (list, tuple)):
@@ -184,7 +186,7 @@ def judge(
     verdicts += [_exact(ranks, reference, key) for key in feature.exact]
     verdicts += [_compared(ranks, reference, key, tolerance) for key in feature.compare]
     verdicts += [_resumed(ranks, key, resume_tolerance) for key in feature.resumed]
-    failed = [figure for passed, figure in verdicts if not passed]
+    failed = list(dict.fromkeys(figure for passed, figure in verdicts if not passed))  # a scenario's error once
     if failed:
         return Row(cell, size, "FAIL", "; ".join(failed), shown)
     numeric = [figure for _, figure in verdicts if "max |" in figure]

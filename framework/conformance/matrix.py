@@ -17,24 +17,7 @@ from framework.conformance.registry import FEATURES, MODELS, QUICK_MODELS, TARGE
 Cell = Tuple[str, str]
 """(feature, model)."""
 
-KNOWN_SEAMS: List[Tuple[str, str, str, str]] = [
-    (
-        "manual",
-        "tied",
-        "fsdp-amp@2",
-        "issue to file (found by --all; stop 37 closing note): fsdp-amp's manual steps drift from sp-amp 10x more than its "
-        "automatic ones (mlp 0.022, tied 0.061 against 0.0017; ddp-amp 0.0009, fsdp-bf16 0.0039); not explained",
-    ),
-    (
-        "resume_kill9|resume_signal",
-        "*",
-        "ddp*@4",
-        "issue to file (found by --ranks 4, 2026-11-27): ddp on 4 ranks resumes within 2e-8 to 1.2e-7 of its uninterrupted "
-        "run, not bitwise (HSDP 2x2 and dp 2 x tp 2 are bitwise; every exact key, the resume step, the checkpoints and "
-        "how each rank ended, holds); unconfirmed guess: a sum of 4 gradients depends on the order gloo's ring reduces "
-        "each element in, which DDP's bucket rebuild after a run's first step changes (a sum of 2 does not)",
-    ),
-]
+KNOWN_SEAMS: List[Tuple[str, str, str, str]] = []
 """Cells known to fail on today's main, each with the issue that tracks the fix:
 (feature pattern, model pattern, backend pattern, reason); ``fnmatch`` patterns, alternatives
 separated by ``|``, and a backend pattern may end in ``@2`` to match only the multi-rank run.

@@ -100,6 +100,8 @@ class KitNet(ModuleInterface):
     ranks: Tuple[int, ...] = (1, 2, 4)
     """World sizes on which this shape trains as ``sp`` does (a shape that computes per rank, such
     as batch norm's batch statistics, is compared on 1 rank only)."""
+    learning_rate = 0.2
+    """SGD's learning rate (momentum 0.9): large, so a fault shows within a few steps."""
     unused_parameters = False
     """Whether some parameters go unused on a rank in some steps (``find_unused_parameters=True``
     is then set where the backend takes it)."""
@@ -168,14 +170,14 @@ class KitNet(ModuleInterface):
 
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int) -> Any:
         if self.automatic_optimization and self.optimizer_count == 1:
-            optimizer = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.learning_rate, momentum=0.9)
             if self.probes:  # a per-step schedule: a step skipped or counted twice shows in every later rate
                 decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
                 return [optimizer], [{"scheduler": decay, "interval": "step"}]
             return [optimizer], []
         head = {id(parameter) for parameter in self.head.parameters()}
         body = [parameter for parameter in self.parameters() if id(parameter) not in head]
-        return [torch.optim.SGD(body, lr=0.2, momentum=0.9), torch.optim.Adam(self.head.parameters(), lr=0.01)], []
+        return [torch.optim.SGD(body, lr=self.learning_rate, momentum=0.9), torch.optim.Adam(self.head.parameters(), lr=0.01)], []
 
     def get_train_dataloader(self, sampler: Any, batch_size: int) -> DataLoader:
         if self.loader == "stream":

@@ -49,6 +49,9 @@ class ManualOptimizer:
         stepped = self._backend.step_optimizers([self.optimizer], closure)
         if self._wrapped is not None:
             self._backend.refresh_parameters(self._wrapped)  # FSDP: gather the updated shards
+        # train_step runs in one autocast region, whose cache keeps each weight's bf16/fp16 copy until
+        # the region ends: a forward after this step would compute with the weights before it
+        torch.clear_autocast_cache()
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -49,6 +49,12 @@ def _continuing_and_fresh(wrap, rank: int) -> float:
     return max(float((a - b).abs().max()) for a, b in pairs)
 
 
+def _ignoring_one(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its first bias left out of DDP's reduction (the first layer's: ready last)."""
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ["0.bias"])
+    return module
+
+
 def _counting_hook(state: list, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.append(bucket.index())
     return default_hooks.allreduce_hook(None, bucket)
@@ -60,6 +66,7 @@ def _ranks_body(rank: int, bucket_cap_mb: float) -> dict:
     try:
         result = {"framework": _continuing_and_fresh(strategy.wrap_module, rank)}
         result["torch"] = _continuing_and_fresh(lambda module: DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb), rank)
+        result["ignoring a parameter"] = _continuing_and_fresh(lambda module: strategy.wrap_module(_ignoring_one(module)), rank)
         # the docs' pattern (docs/backends.md): a backend registers its own hook right after wrap_module
         wrapped, calls = strategy.wrap_module(_model()), []
         wrapped.register_comm_hook(calls, _counting_hook)
@@ -81,6 +88,7 @@ def test_on_4_ranks_a_resumed_first_step_sums_its_gradients_as_the_run_it_contin
     results = run_ranks(_ranks_body, world_size=4, timeout=120, bucket_cap_mb=bucket_cap_mb)
     for result in results:
         assert result["framework"] == 0.0, results  # bitwise
+        assert result["ignoring a parameter"] == 0.0, results  # DDP leaves it out of its buckets: so does the order
         assert result["torch"] > 0.0, results  # DDP as torch builds it: the fault this catches (about 1e-8)
         assert result["own hook calls"] >= 1, results  # the backend's hook reduced the step, not ours
         assert result["hooks with find_unused_parameters"] == 0, results  # no rebuild, one layout: nothing to do

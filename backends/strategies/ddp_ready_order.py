@@ -72,7 +72,8 @@ class _ReadyOrder:
             handle.remove()
         parameters = bucket.parameters()
         position = {id(parameter): index for index, parameter in enumerate(parameters)}
-        ready = [position[id(parameter)] for parameter in self.ready[-len(parameters) :]]  # the last backward's
+        reduced = [position[id(parameter)] for parameter in self.ready if id(parameter) in position]  # not DDP's ignored
+        ready = reduced[-len(parameters) :]  # the last backward's (no_sync micro-batches came before it)
         self.ready.clear()
         if sorted(ready) != list(range(len(parameters))):  # a parameter reached twice or not at all: no order to follow
             logger.debug("ddp: the first backward's ready order is incomplete; its bucket is reduced as one")

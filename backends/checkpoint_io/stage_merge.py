@@ -18,7 +18,7 @@ Example:
 
 from typing import Any, Collection, Dict, List, Sequence
 
-MARKER_KEY = "__sharded__"
+from backends.checkpoint_io.sharded_state import MARKER_KEY
 
 
 def _is_marker(value: Any) -> bool:

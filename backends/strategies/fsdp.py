@@ -6,13 +6,14 @@ Process-group handling, samplers and collectives are the DDP strategy's.
 """
 
 import contextlib
+import functools
 import logging
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from backends.checkpoint_io.base import CheckpointIO, CheckpointRefused, CorruptCheckpoint, is_sharded_checkpoint
+from backends.checkpoint_io.base import CheckpointIO, is_sharded_checkpoint
 from backends.data.batch import map_tensors
 from backends.environments.detection import ClusterEnvironment
 from backends.options import BackendArguments, option, strategy_options
@@ -25,6 +26,7 @@ from backends.strategies.dtensors import sharded_parameter_count  # noqa: F401 -
 from backends.strategies.hsdp import check_replicate_size, checked_replicate_size, hsdp_mesh
 from backends.strategies.meta_init import materialize
 from backends.strategies.pipeline import PipelineParallel
+from backends.strategies.read_agreement import agree_readable, raise_on_every_rank
 from backends.strategies.units import module_units, shard_groups, units_tied_to_root
 
 logger = logging.getLogger(__name__)
@@ -325,7 +327,7 @@ class FSDP(PipelineParallel, DDP):
         from backends.checkpoint_io import sharded_checkpoint  # DCP: imported only when used
 
         if target is not None and self.distributed:
-            self._agree_readable(path, io)
+            agree_readable(path, io, self.all_gather_object)
         if not is_sharded_checkpoint(path):
             if target is None:
                 return io.read(path)
@@ -334,48 +336,10 @@ class FSDP(PipelineParallel, DDP):
                 "sharded checkpoint directories: resume it with the backend that wrote it, or load its weights with "
                 "framework.checkpoint.load_weights"
             )
+        agree = functools.partial(raise_on_every_rank, gather=self.all_gather_object)  # before DCP's collectives
         return sharded_checkpoint.load(
-            path, io, target, optimizers, distributed=self.distributed, one_stage=self.pipelined, agree=self._raise_on_every_rank
+            path, io, target, optimizers, distributed=self.distributed, one_stage=self.pipelined, agree=agree
         )
-
-    def _agree_readable(self, path: str, io: CheckpointIO) -> None:
-        """Every rank checks ``path`` alone (no collective); a problem on any rank is raised on every
-        rank, of the same kind, so no rank enters the collective read without the others and a
-        damaged checkpoint is skipped by all of them together."""
-        from backends.checkpoint_io import sharded_checkpoint
-
-        sharded, problem = is_sharded_checkpoint(path), None
-        try:
-            if sharded:
-                sharded_checkpoint.verify(path, io)
-        except (OSError, ValueError) as error:  # FileNotFoundError, CorruptCheckpoint, CheckpointRefused
-            problem = error
-        found = self.all_gather_object((sharded, None if problem is None else (type(problem).__name__, str(problem))))
-        if problem is not None:
-            raise problem
-        for rank, (rank_sharded, failure) in enumerate(found):
-            if failure is not None:
-                raise _of_the_same_kind(rank, failure, OSError)
-            if rank_sharded != sharded:
-                raise CorruptCheckpoint(f"rank {rank} sees {'a directory' if rank_sharded else 'no directory'} at {path}")
-
-    def _raise_on_every_rank(self, problem: Optional[BaseException], otherwise: type = RuntimeError) -> None:
-        """Raise on every rank when any rank has a ``problem`` reading a checkpoint (collective):
-        this rank's own, or one of the same kind naming the rank that had it (a damaged checkpoint
-        is then skipped by every rank together; ``otherwise``: the kind of any other failure)."""
-        found = self.all_gather_object(None if problem is None else (type(problem).__name__, str(problem)))
-        if problem is not None:
-            raise problem
-        for rank, failure in enumerate(found):
-            if failure is not None:
-                raise _of_the_same_kind(rank, failure, otherwise)
-
-
-def _of_the_same_kind(rank: int, failure: Tuple[str, str], otherwise: type) -> BaseException:
-    """Another rank's checkpoint-read ``failure`` (its type's name, its text) raised here: a damaged
-    or refused checkpoint as such (every rank then skips or refuses it alike), any other as ``otherwise``."""
-    kind = {"CorruptCheckpoint": CorruptCheckpoint, "CheckpointRefused": CheckpointRefused}.get(failure[0], otherwise)
-    return kind(f"rank {rank} cannot read it: {failure[0]}: {failure[1]}")
 
 
 def _batch_norms(module: torch.nn.Module, units: Sequence[torch.nn.Module]) -> "list[torch.nn.Module]":

@@ -72,11 +72,15 @@ def _ranks_body(rank: int, bucket_cap_mb: float) -> dict:
         wrapped.register_comm_hook(calls, _counting_hook)
         _step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), (torch.randn(4, 32), torch.randn(4, 1)))
         result["own hook calls"] = len(calls)
+        wrapped = strategy.wrap_module(_model())  # a built-in hook (C++): kept too
+        wrapped._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+        _step(wrapped, torch.optim.SGD(wrapped.parameters(), lr=0.1), (torch.randn(4, 32), torch.randn(4, 1)))
+        result["built-in hook"] = wrapped._get_ddp_logging_data().get("comm_hook")
         unused = DDP(find_unused_parameters=True)
         unused.setup()  # joins the process group made above
         wrapped = unused.wrap_module(_model())
         wrapped(torch.randn(4, 32)).sum().backward()
-        result["hooks with find_unused_parameters"] = len(wrapped._comm_hooks)
+        result["hook with find_unused_parameters"] = wrapped._get_ddp_logging_data().get("comm_hook")
         return result
     finally:
         strategy.teardown()
@@ -91,7 +95,8 @@ def test_on_4_ranks_a_resumed_first_step_sums_its_gradients_as_the_run_it_contin
         assert result["ignoring a parameter"] == 0.0, results  # DDP leaves it out of its buckets: so does the order
         assert result["torch"] > 0.0, results  # DDP as torch builds it: the fault this catches (about 1e-8)
         assert result["own hook calls"] >= 1, results  # the backend's hook reduced the step, not ours
-        assert result["hooks with find_unused_parameters"] == 0, results  # no rebuild, one layout: nothing to do
+        assert result["built-in hook"] == "BuiltinCommHookType.ALLREDUCE", results
+        assert result["hook with find_unused_parameters"] is None, results  # no rebuild, one layout: nothing to do
 
 
 def _two_ranks_body(rank: int) -> int:
@@ -100,7 +105,7 @@ def _two_ranks_body(rank: int) -> int:
     try:
         wrapped = strategy.wrap_module(_model())
         wrapped(torch.randn(4, 32)).sum().backward()
-        return len(wrapped._comm_hooks)
+        return wrapped._get_ddp_logging_data().get("comm_hook")
     finally:
         strategy.teardown()
 
@@ -108,4 +113,4 @@ def _two_ranks_body(rank: int) -> int:
 @pytest.mark.distributed
 def test_on_2_ranks_ddp_reduces_as_torch_builds_it():
     """``a + b == b + a``: two ranks sum alike in any layout, so DDP's own C++ reduction stays."""
-    assert run_ranks(_two_ranks_body, world_size=2, timeout=60) == [0, 0]
+    assert run_ranks(_two_ranks_body, world_size=2, timeout=60) == [None, None]

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from backends import DDP, FSDP, FullPrecision, MixedPrecision, ModelParallel, SingleProcess, TrainerBackend
-from backends.checkpoint_io.base import CheckpointIO
+from backends.checkpoint_io.base import CheckpointIO, is_sharded_checkpoint
 from backends.data.samplers import ResumableSampler
 from backends.options import option
 from backends.strategies.fsdp import _fsdp_state
@@ -100,7 +100,6 @@ class ReadWithoutAgreeing(FSDP):
         optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> Dict[str, Any]:
         from backends.checkpoint_io import sharded_checkpoint
-        from backends.checkpoint_io.sharded_checkpoint import is_sharded_checkpoint
 
         if not is_sharded_checkpoint(path):
             return super().load_checkpoint(path, io, target, optimizers)

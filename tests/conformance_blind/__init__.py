@@ -23,6 +23,7 @@ MODULES: Tuple[str, ...] = (
     "tests.conformance_blind.faults_evaluation",
     "tests.conformance_blind.faults_parallel",
     "tests.conformance_blind.faults_clipping",
+    "tests.conformance_blind.faults_round2",
 )
 """Every module that registers blind faults (or controls) on import, by module name."""
 
@@ -39,6 +40,8 @@ class Fault:
     ranks: int
     module: str
     expect: str
+    kit_args: Tuple[str, ...] = ()
+    """More arguments for the kit (round 2: ``--models pipeline`` for a pipeline plugin)."""
 
 
 FAULTS: Dict[str, Fault] = {}
@@ -58,16 +61,17 @@ def fault(
     ranks: int,
     module: str,
     expect: str,
+    kit_args: Tuple[str, ...] = (),
 ) -> None:
     """Register backend ``name`` (built by ``factory(args)``) and record it as a blind fault.
 
     ``override=True``: a module may be imported twice (as a file by ``--import path.py`` and by
     module name), which must not fail.
     """
-    if not name.startswith("blind-"):
-        raise ValueError(f"blind fault names start with 'blind-': {name!r}")
+    if not name.startswith(("blind-", "blind2-")):
+        raise ValueError(f"blind fault names start with 'blind-' (round 2: 'blind2-'): {name!r}")
     register_backend(name, factory, override=True)
-    FAULTS[name] = Fault(name, area, slip, control, ranks, module, expect)
+    FAULTS[name] = Fault(name, area, slip, control, ranks, module, expect, tuple(kit_args))
 
 
 def control(name: str, factory: Callable[..., Any], what: str) -> None:

@@ -64,10 +64,13 @@ def load_faults() -> Dict[str, object]:
     return dict(conformance_blind.FAULTS)
 
 
-def kit_command(name: str, module: str, ranks: int, every_cell: bool, as_path: bool = False) -> List[str]:
-    """The kit's command line; ``as_path``: ``--import tests/conformance_blind/<file>.py`` instead of the module name."""
+def kit_command(
+    name: str, module: str, ranks: int, every_cell: bool, as_path: bool = False, kit_args: Sequence[str] = ()
+) -> List[str]:
+    """The kit's command line (``ranks``: 1, 2 or 4; ``kit_args``: the fault's own extra arguments);
+    ``as_path``: ``--import tests/conformance_blind/<file>.py`` instead of the module name."""
     target = module.replace(".", "/") + ".py" if as_path and module.startswith("tests.") else module
-    command = [sys.executable, "-m", "framework.conformance", name, "--import", target, "--ranks", str(ranks)]
+    command = [sys.executable, "-m", "framework.conformance", name, "--import", target, "--ranks", str(ranks), *kit_args]
     return [*command, "--all"] if every_cell else command
 
 
@@ -95,14 +98,22 @@ def judge(name: str, returncode: Optional[int], output: str) -> "tuple[str, str]
 
 
 def run_one(
-    name: str, module: str, ranks: int, area: str, control: str, every_cell: bool, timeout: float, as_path: bool = False
+    name: str,
+    module: str,
+    ranks: int,
+    area: str,
+    control: str,
+    every_cell: bool,
+    timeout: float,
+    as_path: bool = False,
+    kit_args: Sequence[str] = (),
 ) -> Verdict:
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, [environment.get("PYTHONPATH")])])
     started = time.monotonic()
     try:
         completed = subprocess.run(
-            kit_command(name, module, ranks, every_cell, as_path),
+            kit_command(name, module, ranks, every_cell, as_path, kit_args),
             cwd=ROOT,
             env=environment,
             stdout=subprocess.PIPE,
@@ -216,7 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     jobs = []
     for name in names:
         entry = faults[name]
-        jobs.append((name, entry.module, entry.ranks, entry.area, entry.control))  # type: ignore[attr-defined]
+        jobs.append((name, entry.module, entry.ranks, entry.area, entry.control, entry.kit_args))  # type: ignore[attr-defined]
     if options.controls:
         from tests import conformance_blind
 
@@ -228,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if key not in seen:
                 seen.add(key)
                 module = "tests.conformance_blind.controls" if control in conformance_blind.CONTROLS else "backends"
-                jobs.append((control, module, entry.ranks, "control", "(itself)"))  # type: ignore[attr-defined]
+                jobs.append((control, module, entry.ranks, "control", "(itself)", entry.kit_args))  # type: ignore[attr-defined]
 
     started = datetime.datetime.now(datetime.timezone.utc)
     if options.from_log:
@@ -240,9 +251,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, options.jobs)) as pool:
         futures = {
             pool.submit(
-                run_one, name, module, ranks, area, control, options.all, options.timeout, options.import_as_path
+                run_one, name, module, ranks, area, control, options.all, options.timeout, options.import_as_path, kit_args
             ): f"{name}@{ranks}"
-            for name, module, ranks, area, control in jobs
+            for name, module, ranks, area, control, kit_args in jobs
         }
         for future in concurrent.futures.as_completed(futures):
             verdict = future.result()
@@ -251,7 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"# {verdict.name} ({verdict.ranks} rank(s)): {verdict.outcome}: {verdict.detail} [{verdict.seconds:.0f} s]",
                 flush=True,
             )
-    ordered = [verdicts[f"{name}@{ranks}"] for name, _, ranks, _, _ in jobs]
+    ordered = [verdicts[f"{name}@{ranks}"] for name, _, ranks, _, _, _ in jobs]
     faults_only = [verdict for verdict in ordered if verdict.area != "control"]
     table = markdown(faults_only, options.all)
     controls = [verdict for verdict in ordered if verdict.area == "control"]

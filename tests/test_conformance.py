@@ -366,3 +366,26 @@ def test_a_grad_scaler_precision_is_compared_with_the_scaled_reference(tmp_path,
         "sp-scaled-amp", cells=[("nan_stop", "mlp"), ("overflow", "mlp")], workdir=str(tmp_path), reference_cache=reference_cache
     )
     assert [row.result for row in rows] == ["PASS", "PASS"], format_table("sp-scaled-amp", rows)
+
+
+def test_a_plugins_declared_shapes_are_read_after_its_import(tmp_path, capsys):
+    """``--import plugin.py`` registers the backend before the command line picks the cells: a
+    plugin that declares ``conformance_shapes`` (as docs/pipeline-parallel.md tells a pipeline
+    plugin to) runs those shapes only (they were read before the import: every shape ran, and a
+    correct pipeline plugin failed 27 of 35 quick cells)."""
+    from framework.conformance.__main__ import main
+
+    plugin = tmp_path / "one_shape_plugin.py"
+    plugin.write_text(
+        "from backends import FullPrecision, SingleProcess, TrainerBackend, register_backend\n\n\n"
+        "class OneShape(TrainerBackend):\n"
+        "    conformance_shapes = ('tied',)\n\n\n"
+        "register_backend('sp-one-shape', lambda args: OneShape(SingleProcess.from_arguments(args), FullPrecision()), "
+        "override=True)\n"
+    )
+    try:
+        assert main(["sp-one-shape", "--import", str(plugin), "--features", "automatic", "--workdir", str(tmp_path / "w")]) == 0
+    finally:
+        unregister_backend("sp-one-shape")
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("automatic/")]
+    assert rows == ["automatic/tied"], rows

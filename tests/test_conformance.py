@@ -380,9 +380,8 @@ def test_a_plugins_declared_shapes_are_read_after_its_import(tmp_path, capsys):
         "from backends import FullPrecision, SingleProcess, TrainerBackend, register_backend\n\n\n"
         "class OneShape(TrainerBackend):\n"
         "    conformance_shapes = ('tied',)\n\n\n"
-        "register_backend('sp-one-shape', lambda args: OneShape(SingleProcess.from_arguments(args), FullPrecision()), "
-        "override=True)\n"
-    )
+        "register_backend('sp-one-shape', lambda args: OneShape(SingleProcess.from_arguments(args), FullPrecision()))\n"
+    )  # no override=True: the kit imports the file once
     try:
         assert main(["sp-one-shape", "--import", str(plugin), "--features", "automatic", "--workdir", str(tmp_path / "w")]) == 0
     finally:

@@ -56,8 +56,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _mutants(options)
     if options.backend is None:
         parser.error("name a backend, or --mutants")
-    for name in options.imports:  # first: the cells below read what a plugin declares (conformance_shapes)
-        import_plugin(name)
+    try:
+        for name in options.imports:  # first: the cells below read what a plugin declares (conformance_shapes)
+            import_plugin(name)
+    except ValueError as error:
+        print(f"python -m framework.conformance: error: {error}", file=sys.stderr, flush=True)
+        return 2
     features = _names(options.features) or (_renamed(_names(options.checks) or []) or None)
     models = _names(options.models)
     if (features or options.all) and not models:  # a backend that trains only some shapes (a pipeline row) gets those

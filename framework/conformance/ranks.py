@@ -49,6 +49,9 @@ def import_plugin(name: str) -> None:
         importlib.import_module(os.path.basename(path))
     elif name.endswith(".py") or os.sep in name:
         module_name = os.path.splitext(os.path.basename(path))[0]
+        imported = sys.modules.get(module_name)
+        if imported is not None and os.path.abspath(getattr(imported, "__file__", None) or "") == path:
+            return  # imported already (the command line imports before the kit does): run its registrations once
         spec = importlib.util.spec_from_file_location(module_name, path)
         if spec is None or spec.loader is None:
             raise ValueError(f"--import {name}: not a Python file that can be imported")

@@ -86,6 +86,7 @@ def _ranks_body(rank: int, bucket_cap_mb: float) -> dict:
         strategy.teardown()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("bucket_cap_mb", [25, 0.1])  # DDP's default: one rebuilt bucket; 0.1 MiB: two
 def test_on_4_ranks_a_resumed_first_step_sums_its_gradients_as_the_run_it_continues(bucket_cap_mb):

@@ -388,3 +388,14 @@ def test_a_plugins_declared_shapes_are_read_after_its_import(tmp_path, capsys):
         unregister_backend("sp-one-shape")
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("automatic/")]
     assert rows == ["automatic/tied"], rows
+
+
+def test_a_plugin_that_cannot_be_imported_is_refused_naming_it(tmp_path, capsys):
+    """``--import`` runs before the cells are picked: a directory that is no package still exits 2
+    with a message naming it and what is allowed, not a traceback."""
+    from framework.conformance.__main__ import main
+
+    (tmp_path / "not_a_package").mkdir()
+    assert main(["sp", "--import", str(tmp_path / "not_a_package"), "--features", "automatic"]) == 2
+    error = capsys.readouterr().err
+    assert "not_a_package: a directory must be a package (hold __init__.py)" in error, error
